@@ -1,0 +1,29 @@
+"""fsdp_compose: composable, zero-copy fully-sharded data parallelism for PyTorch.
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters())   # after fully_shard
+"""
+from ._collectives import comm_stats, reset_comm_stats
+from ._common import ShardedState, TrainingState, record_schedule
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, lazy_init, param_info
+from .api import CommStats, ParamInfo
+from .clip import clip_grad_norm_
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "param_info",
+    "ParamInfo",
+    "lazy_init",
+    "comm_stats",
+    "reset_comm_stats",
+    "CommStats",
+    "record_schedule",
+    "TrainingState",
+    "ShardedState",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""Life-cycle enums, the error helper and the schedule trace."""
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import Iterator
+
+import torch.distributed as dist
+
+
+class TrainingState(enum.Enum):
+    """Where a fully_shard unit is in a training step."""
+
+    IDLE = enum.auto()           # between steps, or between forward and backward
+    FORWARD = enum.auto()        # inside the unit's forward (pre-forward ran)
+    PRE_BACKWARD = enum.auto()   # a gradient reached the unit's outputs
+    POST_BACKWARD = enum.auto()  # all of the unit's gradients are accumulated
+
+
+class ShardedState(enum.Enum):
+    """Whether a flat group's full parameters are materialised."""
+
+    SHARDED = enum.auto()     # only the local shard exists; params are 1-D shard views
+    UNSHARDING = enum.auto()  # all-gather issued, not yet waited
+    UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def unit_error(fqn: str, what: str, fix: str = "", exc=RuntimeError) -> Exception:
+    """An error that names the rank and the unit, and says what to change."""
+    name = fqn if fqn else "<root>"
+    msg = f"fsdp_compose [rank {rank()}] unit '{name}': {what}"
+    if fix:
+        msg += f" {fix}"
+    return exc(msg)
+
+
+# ---------------------------------------------------------------------------
+# Schedule trace: the seams append (event, unit fqn, detail) while a recorder
+# is active. One `is None` check per event when it is not.
+# ---------------------------------------------------------------------------
+_trace: list | None = None
+
+
+def trace(event: str, fqn: str, detail: str = "") -> None:
+    if _trace is not None:
+        _trace.append((event, fqn, detail))
+
+
+@contextlib.contextmanager
+def record_schedule() -> Iterator[list]:
+    """Record ``(event, unit_fqn, detail)`` tuples from the hook seams."""
+    global _trace
+    prev, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = prev

@@ -1,0 +1,39 @@
+"""The few private torch entry points we need, each with why.
+
+Everything else in the package uses public torch APIs only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree
+
+
+def queue_final_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once when the current backward pass finishes.
+
+    Why private: the autograd engine exposes no public "end of backward" hook;
+    the root needs one to finish reduce-scatters and reshard units whose
+    post-backward never fired. FSDP1/FSDP2 use the same entry point.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine is executing a graph on this thread.
+
+    Why private: a forward that runs inside backward is activation-checkpoint
+    recomputation, and there is no public way to ask the engine.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def tree_leaves(tree: Any) -> list:
+    """Flatten outputs (tuples, dicts, dataclasses, HF ModelOutput ...) to leaves.
+
+    Why private: ``torch.utils._pytree`` is the registry every torch and HF
+    container type registers with; there is no public flattener with that
+    coverage in torch 2.13.
+    """
+    return _pytree.tree_leaves(tree)

@@ -1,0 +1,252 @@
+"""One flat group: the parameters of one unit that share (dtype, requires_grad).
+
+[Note: tensor vocabulary]
+For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
+
+- *local shard* ``shard`` (S): persistent. Rank r's slice ``[r·S, (r+1)·S)``
+  of the padded flat buffer. The sharded ``nn.Parameter``s the optimizer holds
+  are 1-D views of it. It is the all-gather *input*, as is: no copy-in.
+- *unsharded flat* ``flat`` (W·S): a leaf tensor (``requires_grad`` when the
+  group trains) whose storage is allocated on unshard and freed on reshard
+  (``untyped_storage().resize_``), so the tensor and every view of it keep
+  their identity across iterations. It is the all-gather *output*: no copy-out.
+  At world size 1 it aliases the local shard and is never freed.
+- *unsharded views*: the original parameters while unsharded, made ONCE by a
+  single ``split`` of ``flat`` plus a ``view`` each. One split means one
+  autograd node: backward writes ONE flat gradient (zeros for unused
+  parameters and padding) into ``flat.grad`` through a single AccumulateGrad,
+  whose post-accumulate hook is the group's post-backward.
+- *flat gradient* ``flat.grad`` (W·S): the reduce-scatter *input*, as is.
+- *gradient shard* ``grad_shard`` (S): persistent; the reduce-scatter output.
+  ``p.grad`` of each sharded parameter is the matching 1-D view of it.
+
+Layout: each parameter starts at a multiple of ``ALIGN_BYTES`` (gap elements
+between parameters are padding), and the total is padded to a multiple of
+``W × alignment`` so that every rank's shard starts aligned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ._common import ShardedState, unit_error
+from ._streams import Pending, StreamManager
+
+ALIGN_BYTES = 16
+
+
+def _ceil_to(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+@dataclass
+class ParamEntry:
+    """One unique original parameter inside a flat group."""
+
+    fqn: str                        # name relative to the outermost fully_shard'd module
+    shape: torch.Size
+    offset: int                     # start in the unsharded flat buffer
+    slots: list                     # [(module, attr_name)] that hold this parameter
+    local_range: tuple[int, int]    # slice of param.flatten() this rank holds
+    shard_range: tuple[int, int]    # the same elements' place in the local shard
+    sharded: nn.Parameter = None    # 1-D view of the local shard
+    unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
+    grad_view: torch.Tensor = None  # 1-D view of the gradient shard
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class _GradLaunch:
+    """A reduce-scatter in flight, and how to fold its output into p.grad."""
+
+    group: "FlatGroup"
+    pending: Pending
+    output: torch.Tensor
+    mode: str  # "fresh" | "accumulate" | "mixed"
+    done: bool = field(default=False)
+
+    def finish(self) -> None:
+        if not self.done:
+            self.pending.wait()
+            self.group._fold_grad(self.output, self.mode)
+            self.done = True
+
+
+class FlatGroup:
+    def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
+                 world: int, rank: int, pg):
+        # params: [(param, [(module, name), ...], rel_fqn)] in registration order
+        first = params[0][0]
+        self.dtype: torch.dtype = first.dtype
+        self.requires_grad: bool = first.requires_grad
+        self.world, self.rank, self.pg = world, rank, pg
+        self.unit_fqn = unit_fqn
+        self.device = torch.device("meta") if first.is_meta else device
+        self.state = ShardedState.SHARDED
+
+        align = max(1, ALIGN_BYTES // first.element_size())
+        entries, split_sizes, view_at = [], [], []
+        offset = 0
+        for p, slots, fqn in params:
+            n = p.numel()
+            view_at.append(len(split_sizes))
+            split_sizes.append(n)
+            end = _ceil_to(offset + n, align)
+            if end > offset + n:
+                split_sizes.append(end - offset - n)  # gap: padding
+            entries.append(ParamEntry(fqn, p.shape, offset, slots, (0, 0), (0, 0)))
+            offset = end
+        self.padded_numel = _ceil_to(max(offset, 1), world * align)
+        if self.padded_numel > offset:
+            split_sizes.append(self.padded_numel - offset)  # tail padding
+        self.shard_numel = S = self.padded_numel // world
+        self.entries: list[ParamEntry] = entries
+
+        # Local shard: copy in this rank's piece of every parameter.
+        self.shard = torch.zeros(S, dtype=self.dtype, device=self.device)
+        lo, hi = rank * S, (rank + 1) * S
+        with torch.no_grad():
+            for e, (p, _, _) in zip(entries, params):
+                a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+                if a < b:
+                    e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
+                    if not p.is_meta:
+                        src = p.detach().reshape(-1)[a - e.offset:b - e.offset]
+                        self.shard[a - lo:b - lo].copy_(src)
+                e.sharded = nn.Parameter(self.shard[slice(*e.shard_range)],
+                                         requires_grad=self.requires_grad)
+                e.sharded.__dict__.update(p.__dict__)  # user attributes survive
+
+        # Unsharded flat buffer (the all-gather output), its views made once.
+        if world == 1:
+            self.flat = self.shard.data  # alias, own version counter; never freed
+        else:
+            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self.flat.requires_grad_(self.requires_grad)
+        # `.data` shares storage but not the version counter: writing the
+        # all-gather into it does not invalidate tensors saved for backward.
+        self.flat_data = self.flat.data
+        with torch.enable_grad():
+            chunks = torch.split(self.flat, split_sizes)
+            for e, i in zip(entries, view_at):
+                e.unsharded = chunks[i].view(e.shape)
+        self._free_flat()
+
+        self.grad_shard: torch.Tensor | None = None
+        self._pending: Pending | None = None
+
+    # ------------------------------------------------------------------ views
+    def install_sharded(self) -> None:
+        for e in self.entries:
+            for m, name in e.slots:
+                m._parameters[name] = e.sharded
+
+    def install_unsharded(self) -> None:
+        for e in self.entries:
+            for m, name in e.slots:
+                m._parameters[name] = e.unsharded
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [e.sharded for e in self.entries]
+
+    # ---------------------------------------------------------- unshard/reshard
+    def _frees_storage(self) -> bool:
+        return self.world > 1 and self.device.type != "meta"
+
+    def _free_flat(self) -> None:
+        if self._frees_storage():
+            self.flat.untyped_storage().resize_(0)
+
+    def unshard(self, streams: StreamManager) -> None:
+        """Issue the all-gather (no wait). Idempotent."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        if self.device.type == "meta":
+            raise unit_error(self.unit_fqn,
+                             f"parameters {[e.fqn for e in self.entries]} are on the meta device.",
+                             "Initialise them on a real device before calling fully_shard.")
+        if self.world == 1:
+            self.state = ShardedState.UNSHARDED
+            return
+        self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
+        self._pending = streams.all_gather(self.flat_data, self.shard, self.pg)
+        self.state = ShardedState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        if self.state is ShardedState.UNSHARDING:
+            self._pending.wait()
+            self._pending = None
+            self.state = ShardedState.UNSHARDED
+        if self.state is ShardedState.UNSHARDED:
+            self.install_unsharded()
+
+    def reshard(self) -> None:
+        if self.state is ShardedState.SHARDED:
+            return
+        if self.state is ShardedState.UNSHARDING:  # never free memory a collective writes
+            self._pending.wait()
+            self._pending = None
+        self.install_sharded()
+        self._free_flat()
+        self.state = ShardedState.SHARDED
+
+    # --------------------------------------------------------------- gradients
+    def _grad_buffer(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for e in self.entries:
+                e.grad_view = self.grad_shard[slice(*e.shard_range)]
+        return self.grad_shard
+
+    def _grad_mode(self) -> str:
+        """fresh: no p.grad is set; accumulate: every p.grad is our view; else mixed."""
+        grads = [e.sharded.grad for e in self.entries]
+        if all(g is None for g in grads):
+            return "fresh"
+        if self.grad_shard is not None and all(
+                g is e.grad_view for g, e in zip(grads, self.entries)):
+            return "accumulate"
+        return "mixed"
+
+    def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
+        """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
+        flat_grad = self.flat.grad
+        self.flat.grad = None
+        if flat_grad is None:
+            flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        mode = self._grad_mode()
+        if self.world == 1:
+            return _GradLaunch(self, Pending(None, ()), flat_grad, mode)
+        out = self._grad_buffer() if mode == "fresh" else torch.empty_like(self._grad_buffer())
+        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.pg), out, mode)
+
+    def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
+        buf = self._grad_buffer()
+        with torch.no_grad():
+            if mode == "fresh":
+                if out is not buf:
+                    buf.copy_(out)
+                for e in self.entries:
+                    e.sharded.grad = e.grad_view
+            elif mode == "accumulate":
+                buf.add_(out)
+            else:  # some p.grad were set to None or replaced by the user
+                for e in self.entries:
+                    piece = out[slice(*e.shard_range)]
+                    g = e.sharded.grad
+                    if g is None:
+                        e.grad_view.copy_(piece)
+                        e.sharded.grad = e.grad_view
+                    else:
+                        g.add_(piece.view_as(g))
+
+    def __repr__(self) -> str:
+        return (f"FlatGroup({self.unit_fqn!r}, {self.dtype}, requires_grad={self.requires_grad}, "
+                f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
+                f"{self.state.name})")

@@ -1,0 +1,273 @@
+"""fully_shard() and the FSDPModule mixin."""
+from __future__ import annotations
+
+from typing import Iterable, overload
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._common import unit_error
+from ._flat_group import FlatGroup
+from ._state import assign_fqns, lazy_init_root, unit_of
+from ._unit import Unit
+
+# Every sharded Parameter we created -> (group, entry); and every original
+# Parameter we replaced -> the unit that owns it (to catch ties across units).
+_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to.
+
+    ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m,
+    OriginalClass)`` still holds. A list unit's modules share one unit, so any
+    of them unshards/reshards all of it.
+    """
+
+    def _unit(self) -> Unit:
+        return unit_of(self)
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather this unit's parameters and install full-shape views.
+
+        With ``async_op=True`` returns a handle whose ``wait()`` completes it.
+        The unit stays unsharded until ``reshard()`` (or the end of the next
+        backward).
+        """
+        unit = self._unit()
+        unit.unshard()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the modules see 1-D shards again."""
+        self._unit().reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether to free the parameters after forward (True) or keep them for backward."""
+        modules = self.modules() if recurse else [self]
+        for m in modules:
+            u = unit_of(m)
+            if u is not None:
+                u.user_reshard_after_forward = bool(reshard_after_forward)
+                u.reshard_after_forward = bool(reshard_after_forward)
+
+
+class UnshardHandle:
+    def __init__(self, unit: Unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_for_unshard()
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLASS_CACHE[cls] = new_cls
+    module.__class__ = new_cls
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fsdp_compose.fully_shard: torch.distributed is not initialised. "
+                           "Call torch.distributed.init_process_group() first (torchrun sets "
+                           "the environment), or pass mesh=.")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _describe(modules: list[nn.Module]) -> str:
+    names = []
+    for m in modules:
+        u = unit_of(m)
+        names.append(u.fqn if u is not None and u.fqn else type(m).__name__)
+    return ", ".join(names)
+
+
+def _collect(modules: list[nn.Module], ignored: set[int], label: str):
+    """The parameters this unit owns: not in a sub-unit, not ignored.
+
+    Returns ``[(param, [(module, name), ...], rel_fqn)]`` with each parameter
+    once (a parameter tied inside the unit gets several slots).
+    """
+    found: dict[int, tuple] = {}
+    order: list[int] = []
+
+    def visit(m: nn.Module, prefix: str, top: bool) -> None:
+        if not top and unit_of(m) is not None:
+            return  # a sub-unit owns this subtree
+        for name, p in m._parameters.items():
+            if p is None or id(p) in ignored or p in _SHARDED:
+                continue
+            if p in _REPLACED:
+                other = _REPLACED[p]
+                raise unit_error(
+                    label, f"parameter '{prefix}{name}' is already sharded by unit "
+                    f"'{other.fqn}' (a weight tied across two fully_shard units).",
+                    "Put every module that uses it in one unit: fully_shard([module_a, module_b]), "
+                    "or leave one of them to the parent unit.", exc=ValueError)
+            if id(p) not in found:
+                found[id(p)] = (p, [], f"{prefix}{name}")
+                order.append(id(p))
+            found[id(p)][1].append((m, name))
+        for cname, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, f"{i}." if len(modules) > 1 else "", True)
+    return [found[i] for i in order]
+
+
+def _build_groups(params: list, label: str, device, mesh: DeviceMesh) -> list[FlatGroup]:
+    by_key: dict[tuple, list] = {}
+    for item in params:
+        p = item[0]
+        by_key.setdefault((p.dtype, p.requires_grad), []).append(item)
+    world, rank = mesh.size(), mesh.get_local_rank()
+    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=mesh.get_group())
+            for items in by_key.values()]
+
+
+@overload
+def fully_shard(module: nn.Module, **kw) -> nn.Module: ...
+@overload
+def fully_shard(module: list[nn.Module], **kw) -> list[nn.Module]: ...
+
+
+def fully_shard(module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = None,
+                ignored_params: Iterable[nn.Parameter] | None = None):
+    """Shard ``module``'s parameters across the ranks of ``mesh``, in place.
+
+    Call it bottom-up: on each block, then on the root. The parameters of
+    ``module`` not already owned by a sub-unit (and not in ``ignored_params``)
+    are laid end to end in one flat buffer per (dtype, requires_grad) and
+    sharded; each rank keeps a contiguous slice.
+
+    Args:
+        module: a module, or a list of modules that form ONE unit (e.g. a tied
+            embedding and output head). Returned as given, changed in place:
+            its class becomes a subclass that is also an ``FSDPModule``.
+        mesh: a 1-D ``DeviceMesh``. Default: all ranks, on ``cuda`` for NCCL
+            and ``cpu`` for gloo.
+        reshard_after_forward: free the full parameters after forward (True)
+            or keep them until backward (False). ``None``: True, except for
+            the root, whose parameters are needed first in backward.
+        ignored_params: parameters to leave alone (not sharded, not reduced).
+
+    Differences from torch FSDP2: while sharded, a parameter is a 1-D tensor
+    (this rank's slice of the flattened original, possibly empty), not a
+    DTensor; ``fsdp_compose.param_info(p)`` tells its FQN, global shape and
+    local range. Build the optimizer after ``fully_shard``.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError("fsdp_compose.fully_shard expects an nn.Module or a non-empty list of "
+                         f"nn.Modules, got {module!r}.")
+    label = _describe(modules)
+    for m in modules:
+        if unit_of(m) is not None:
+            raise unit_error(label, "fully_shard was already applied to this module.",
+                             "Call fully_shard once per module (to change a setting use the "
+                             "FSDPModule methods, e.g. set_reshard_after_forward).", exc=ValueError)
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise unit_error(label, f"{type(m).__name__} has no forward, so its parameters "
+                             "would never be gathered.", "Call fully_shard on each block inside "
+                             "it (or on the module that calls them).", exc=ValueError)
+    if len({id(m) for m in modules}) != len(modules):
+        raise unit_error(label, "the same module appears twice in the list.", exc=ValueError)
+
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise unit_error(label, f"mesh must be 1-D, got a {mesh.ndim}-D mesh "
+                         f"{tuple(mesh.mesh_dim_names or ())}.",
+                         "Pass the data-parallel sub-mesh, e.g. mesh['dp'].", exc=ValueError)
+
+    ignored = list(ignored_params or ())
+    own = {id(p) for m in modules for p in m.parameters()}
+    for p in ignored:
+        if not isinstance(p, nn.Parameter) or id(p) not in own:
+            raise unit_error(label, f"ignored_params contains a tensor of shape "
+                             f"{tuple(p.shape)} that is not a parameter of this module.",
+                             "Pass parameters from module.parameters().", exc=ValueError)
+
+    device = _mesh_device(mesh)
+    params = _collect(modules, {id(p) for p in ignored}, label)
+    groups = _build_groups(params, label, device, mesh) if params else []
+    unit = Unit(modules, groups, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                label=label)
+    for g in groups:
+        g.install_sharded()
+        for e in g.entries:
+            _SHARDED[e.sharded] = (g, e)
+    for p, _, _ in params:
+        _REPLACED[p] = unit
+    for m in modules:
+        _move_buffers(m, device)
+        m.__dict__["_fsdp_unit"] = unit
+        m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook(unit))
+        _swap_class(m)
+        assign_fqns(m)
+    return module
+
+
+def _move_buffers(m: nn.Module, device: torch.device) -> None:
+    for sub in m.modules():
+        for name, b in sub._buffers.items():
+            if b is not None and b.device != device and not b.is_meta:
+                sub._buffers[name] = b.to(device)
+
+
+def _pre_forward_hook(unit: Unit):
+    def hook(module, args, kwargs):
+        return unit.pre_forward(module, args, kwargs)
+    return hook
+
+
+def _post_forward_hook(unit: Unit):
+    def hook(module, args, output):
+        return unit.post_forward(module, args, output)
+    return hook
+
+
+def param_info(param: torch.Tensor):
+    """FQN, global shape and local range of a parameter sharded by fully_shard."""
+    from .api import ParamInfo
+    hit = _SHARDED.get(param)
+    if hit is None:
+        raise ValueError("fsdp_compose.param_info: this tensor is not a parameter sharded by "
+                         f"fully_shard (shape {tuple(param.shape)}). Pass one of "
+                         "model.parameters() after fully_shard, while the model is sharded.")
+    g, e = hit
+    return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn)
+
+
+def lazy_init(module: nn.Module) -> None:
+    """Initialise ``module`` as the root now (normally done by its first forward)."""
+    u = unit_of(module)
+    if u is None:
+        raise ValueError(f"fsdp_compose.lazy_init: {type(module).__name__} is not sharded; "
+                         "call fully_shard on it first.")
+    if u.ctx is None:
+        lazy_init_root(u)

@@ -1,0 +1,219 @@
+"""Lazy root initialisation and the state every unit below a root shares.
+
+The first forward (or ``unshard()``) of any sharded module makes that module's
+unit the *root*: it walks its subtree once, names every unit and parameter by
+FQN, checks the parameters, and builds the ``RootContext`` all units then
+reference: the flat-param registry, the stream manager, and the backward
+bookkeeping (reduce-scatter order, the final callback).
+
+[Note: reduce-scatter order]
+Collectives must be issued in the same order on every rank, but the order in
+which post-backward hooks fire depends on each rank's autograd graph (a unit
+may produce no gradient on some rank). So reduce-scatters are issued in one
+rank-independent order: the reverse of the units' first-forward order in this
+step. A unit whose gradients are ready waits until every unit before it in
+that order has been issued; the root's final callback issues the rest,
+zero-filled where this rank produced no gradient. Ranks never diverge, and a
+parameter used on only some ranks still gets the rank-average gradient.
+At most one unit's reduce-scatters are in flight at a time, so flat gradients
+are freed as backward proceeds.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import _compat
+from ._common import TrainingState, trace, unit_error
+from ._streams import StreamManager
+from ._unit import Unit
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    return module.__dict__.get("_fsdp_unit")
+
+
+class FlatParamRegistry:
+    """Every flat group below the root; and their execution order.
+
+    ``groups``: module order. ``execution_order``: the units in the order of
+    their first forward, recorded on the first step (what prefetching and
+    checkpoint traversal will walk).
+    """
+
+    def __init__(self, units: list[Unit]):
+        self.units = units
+        self.groups = [g for u in units for g in u.groups]
+        self.execution_order: list[Unit] = []
+        self._recording = True
+
+    def record(self, unit: Unit) -> None:
+        if self._recording and unit not in self.execution_order:
+            self.execution_order.append(unit)
+
+    def stop_recording(self) -> None:
+        self._recording = False
+
+    def __repr__(self) -> str:
+        order = [u.fqn or "<root>" for u in self.execution_order]
+        return f"FlatParamRegistry(units={len(self.units)}, groups={len(self.groups)}, order={order})"
+
+
+class RootContext:
+    def __init__(self, root: Unit, units: list[Unit], device: torch.device):
+        self.root = root
+        self.units = units
+        self.registry = FlatParamRegistry(units)
+        self.streams = StreamManager(device)
+        # per step (from a root forward after a backward, to the next one)
+        self._new_step = True
+        self._expecting: dict[Unit, None] = {}  # units that ran forward under grad, in order
+        # per backward
+        self._callback_queued = False
+        self._order: list[Unit] | None = None   # reduce-scatter order, see the Note
+        self._next = 0
+        self._ready: set[Unit] = set()
+        self._in_flight: list = []
+
+    # ------------------------------------------------------------------ forward
+    def root_pre_forward(self) -> None:
+        if any(u.state is not TrainingState.IDLE for u in self.units):
+            self._abort_step()  # a previous backward raised before finishing
+        if self._new_step:
+            self._new_step = False
+            self._expecting.clear()
+
+    def record_forward(self, unit: Unit) -> None:
+        self.registry.record(unit)
+
+    def expect_backward(self, unit: Unit) -> None:
+        self._expecting.setdefault(unit, None)
+
+    # ----------------------------------------------------------------- backward
+    def on_backward_hook(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.registry.stop_recording()
+            _compat.queue_final_callback(self._final_callback)
+
+    def grads_ready(self, unit: Unit) -> None:
+        self._ready.add(unit)
+        if unit not in self._expecting:  # e.g. reentrant recomputation: issue now
+            self._launch(unit)
+            return
+        self._issue_in_order(final=False)
+
+    def _issue_in_order(self, final: bool) -> None:
+        if self._order is None:
+            self._order = list(reversed(self._expecting))
+        while self._next < len(self._order):
+            unit = self._order[self._next]
+            if not final and unit not in self._ready:
+                break
+            self._next += 1
+            self._launch(unit)
+
+    def _launch(self, unit: Unit) -> None:
+        self._drain()
+        self._in_flight = unit.launch_reduce_scatters()
+
+    def _drain(self) -> None:
+        for launch in self._in_flight:
+            launch.finish()
+        self._in_flight = []
+
+    def _final_callback(self) -> None:
+        with torch.profiler.record_function("fsdp_compose::final_callback"):
+            trace("final_callback", self.root.fqn)
+            self._issue_in_order(final=True)
+            self._drain()
+            for u in self.units:
+                u.finish_backward()
+            self._reset_backward()
+            self._new_step = True
+
+    def _reset_backward(self) -> None:
+        self._callback_queued = False
+        self._order = None
+        self._next = 0
+        self._ready.clear()
+
+    def _abort_step(self) -> None:
+        self._in_flight = []
+        for u in self.units:
+            for g in u.groups:
+                g.flat.grad = None
+            u.finish_backward()
+        self._reset_backward()
+        self._new_step = True
+
+
+# ---------------------------------------------------------------------------
+def _units_below(module: nn.Module) -> list[tuple[str, Unit]]:
+    found: dict[Unit, str] = {}
+    for name, m in module.named_modules():
+        u = unit_of(m)
+        if u is None:
+            continue
+        if u in found:  # a list unit: name it by all its modules
+            found[u] = f"{found[u]}, {name}"
+        else:
+            found[u] = name
+    return [(fqn, u) for u, fqn in found.items()]
+
+
+def assign_fqns(module: nn.Module) -> None:
+    """Name every unit and parameter below ``module`` relative to it."""
+    for fqn, u in _units_below(module):
+        u.fqn = fqn
+    prefix = {id(m): name for name, m in module.named_modules()}
+    for _, u in _units_below(module):
+        for g in u.groups:
+            g.unit_fqn = u.fqn
+            for e in g.entries:
+                m, attr = e.slots[0]
+                if id(m) in prefix:
+                    e.fqn = f"{prefix[id(m)]}.{attr}" if prefix[id(m)] else attr
+
+
+def lazy_init_root(unit: Unit) -> None:
+    """Make ``unit`` the root of every unit in its subtree."""
+    root_module = unit.modules[0]
+    if len(unit.modules) == 1:
+        assign_fqns(root_module)
+    named = [(fqn, u) for m in unit.modules for fqn, u in _units_below(m)]
+    units: list[Unit] = []
+    for _, u in named:
+        if u not in units:
+            units.append(u)
+    for u in units:
+        _check_params(u)
+    device = unit.groups[0].device if unit.groups else torch.device("cpu")
+    ctx = RootContext(unit, units, device)
+    for u in units:
+        u.ctx = ctx
+        raf = u.user_reshard_after_forward
+        u.reshard_after_forward = (u is not unit) if raf is None else bool(raf)
+    trace("lazy_init", unit.fqn, f"units={len(units)}")
+
+
+def _check_params(u: Unit) -> None:
+    for g in u.groups:
+        if g.device.type == "meta":
+            raise unit_error(
+                u.fqn, f"parameters {[e.fqn for e in g.entries]} are still on the meta device "
+                "at the first forward.", "Initialise the model on a real device (e.g. "
+                "module.to_empty(device=...) and reset_parameters()) before calling fully_shard.")
+        for e in g.entries:
+            for m, attr in e.slots:
+                held = m._parameters.get(attr)
+                if held is not e.sharded and held is not e.unsharded:
+                    raise unit_error(
+                        u.fqn, f"parameter '{e.fqn}' was replaced after fully_shard.",
+                        "Assign, move (.to / .cuda / to_empty) or re-initialise parameters "
+                        "before calling fully_shard, not after.")
+            if e.sharded.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
+                raise unit_error(
+                    u.fqn, f"parameter '{e.fqn}' no longer aliases its shard (its .data was "
+                    "replaced, e.g. by module.to() or to_empty() after fully_shard).",
+                    "Move or materialise the module before calling fully_shard.")

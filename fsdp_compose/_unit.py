@@ -1,0 +1,177 @@
+"""One fully_shard unit: its modules, flat groups, hooks and training state.
+
+A step, as the unit sees it:
+
+    pre_forward   unshard (all-gather), install full-shape views     IDLE -> FORWARD
+    post_forward  register pre-backward on the outputs; reshard if
+                  reshard_after_forward (always, if no backward can
+                  follow)                                            FORWARD -> IDLE
+    pre_backward  unshard again if it was resharded                  -> PRE_BACKWARD
+    post_backward every trainable group's flat gradient is
+                  accumulated: reshard, hand the unit to the root's
+                  reduce-scatter scheduler                           -> POST_BACKWARD
+    final         (root callback) reduce-scatter what is left,
+                  reshard, reset                                     -> IDLE
+
+[Note: recomputation] A forward that runs *inside* backward is activation-
+checkpoint recomputation: pre_forward only makes sure the unit is unsharded;
+post_forward neither reshards nor registers hooks. The unit then stays
+unsharded until its post-backward (or the root's final callback).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from . import _compat
+from ._common import ShardedState, TrainingState, trace, unit_error
+from ._flat_group import FlatGroup
+
+if TYPE_CHECKING:
+    from ._state import RootContext
+
+
+class Unit:
+    def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *, mesh,
+                 reshard_after_forward: bool | None, label: str):
+        self.modules = modules
+        self.groups = groups
+        self.trainable = [g for g in groups if g.requires_grad]
+        self.mesh = mesh
+        self.fqn = label
+        self.user_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
+        self.state = TrainingState.IDLE
+        self.ctx: RootContext | None = None
+        self._forward_depth = 0   # >0 while inside any module of this unit
+        self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
+        for g in self.trainable:
+            g.flat.register_post_accumulate_grad_hook(self._make_grad_hook(g))
+
+    def __repr__(self) -> str:
+        return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def _assert_state(self, *states: TrainingState, where: str) -> None:
+        if self.state not in states:
+            raise unit_error(self.fqn, f"{where} expected state {[s.name for s in states]}, "
+                             f"got {self.state.name}.")
+
+    # ----------------------------------------------------------- unshard/reshard
+    def _ensure_ctx(self) -> "RootContext":
+        if self.ctx is None:
+            from ._state import lazy_init_root
+            lazy_init_root(self)
+        return self.ctx
+
+    def unshard(self) -> None:
+        """Issue the all-gathers of every group (no wait)."""
+        streams = self._ensure_ctx().streams
+        issued = False
+        for g in self.groups:
+            issued |= g.state is ShardedState.SHARDED and g.world > 1
+            g.unshard(streams)
+        if issued:
+            trace("all_gather", self.fqn, self.state.name)
+
+    def wait_for_unshard(self) -> None:
+        for g in self.groups:
+            g.wait_for_unshard()
+
+    def reshard(self) -> None:
+        if any(g.state is not ShardedState.SHARDED for g in self.groups):
+            trace("reshard", self.fqn, self.state.name)
+        for g in self.groups:
+            g.reshard()
+
+    @property
+    def is_unsharded(self) -> bool:
+        return any(g.state is not ShardedState.SHARDED for g in self.groups)
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, module: nn.Module, args, kwargs):
+        ctx = self._ensure_ctx()
+        if _compat.in_backward():  # see [Note: recomputation]
+            trace("pre_forward_recompute", self.fqn, self.state.name)
+            self.unshard()
+            self.wait_for_unshard()
+            return None
+        if self._forward_depth == 0:
+            if self.is_root:
+                ctx.root_pre_forward()
+            self._assert_state(TrainingState.IDLE, where="pre_forward")
+            trace("pre_forward", self.fqn, self.state.name)
+            self.state = TrainingState.FORWARD
+            ctx.record_forward(self)
+            with torch.profiler.record_function(f"fsdp_compose::pre_forward ({self.fqn})"):
+                self.unshard()
+                self.wait_for_unshard()
+        self._forward_depth += 1
+        return None
+
+    def post_forward(self, module: nn.Module, args, output):
+        if _compat.in_backward():  # see [Note: recomputation]
+            return None
+        self._forward_depth -= 1
+        outs = [t for t in _compat.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            register_multi_grad_hook(outs, self._pre_backward, mode="any")
+        if self._forward_depth > 0:  # another module of this unit is still running
+            return None
+        trace("post_forward", self.fqn, self.state.name)
+        grad_follows = torch.is_grad_enabled() and bool(outs)
+        if grad_follows and self.trainable:
+            self.ctx.expect_backward(self)
+        if self.reshard_after_forward or not grad_follows:
+            self.reshard()
+        self.state = TrainingState.IDLE
+        return None
+
+    # ----------------------------------------------------------------- backward
+    def _pre_backward(self, _grad) -> None:
+        self.ctx.on_backward_hook()
+        if self.state is TrainingState.POST_BACKWARD:
+            return
+        trace("pre_backward", self.fqn, self.state.name)
+        self.state = TrainingState.PRE_BACKWARD
+        with torch.profiler.record_function(f"fsdp_compose::pre_backward ({self.fqn})"):
+            self.unshard()
+            self.wait_for_unshard()
+
+    def _make_grad_hook(self, group: FlatGroup):
+        idx = self.trainable.index(group)
+
+        def hook(_flat: torch.Tensor) -> None:
+            self._on_grad_accumulated(idx)
+
+        return hook
+
+    def _on_grad_accumulated(self, idx: int) -> None:
+        ctx = self._ensure_ctx()
+        ctx.on_backward_hook()
+        self._ready.add(idx)
+        if len(self._ready) < len(self.trainable):
+            return
+        trace("post_backward", self.fqn, self.state.name)
+        self.state = TrainingState.POST_BACKWARD
+        self.reshard()
+        ctx.grads_ready(self)
+
+    def launch_reduce_scatters(self) -> list:
+        trace("reduce_scatter", self.fqn, "ready" if self._ready else "zero-filled")
+        with torch.profiler.record_function(f"fsdp_compose::reduce_scatter ({self.fqn})"):
+            return [g.launch_reduce_scatter(self.ctx.streams) for g in self.trainable]
+
+    def finish_backward(self) -> None:
+        """Called by the root's final callback, for every unit."""
+        self.reshard()
+        self._ready.clear()
+        self._forward_depth = 0
+        self.state = TrainingState.IDLE
