@@ -11,11 +11,16 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   (``untyped_storage().resize_``), so the tensor and every view of it keep
   their identity across iterations. It is the all-gather *output*: no copy-out.
   At world size 1 it aliases the local shard and is never freed.
-- *unsharded views*: the original parameters while unsharded, made ONCE by a
+- *unsharded views*: the original parameters while unsharded, made by a
   single ``split`` of ``flat`` plus a ``view`` each. One split means one
   autograd node: backward writes ONE flat gradient (zeros for unused
   parameters and padding) into ``flat.grad`` through a single AccumulateGrad,
   whose post-accumulate hook is the group's post-backward.
+  The split is re-made at every grad-enabled forward (``refresh_views``), not
+  once: the autograd engine runs ready nodes in decreasing sequence number,
+  so a split node created at ``fully_shard`` time would be starved until the
+  whole backward is done (no reduce-scatter overlap, every unit unsharded at
+  once). Made in pre-forward, it runs as soon as the unit's gradients are in.
 - *flat gradient* ``flat.grad`` (W·S): the reduce-scatter *input*, as is.
 - *gradient shard* ``grad_shard`` (S): persistent; the reduce-scatter output.
   ``p.grad`` of each sharded parameter is the matching 1-D view of it.
@@ -79,12 +84,13 @@ class _GradLaunch:
 
 class FlatGroup:
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
-                 world: int, rank: int, pg):
+                 world: int, rank: int, pg, rs_pg):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
         self.dtype: torch.dtype = first.dtype
         self.requires_grad: bool = first.requires_grad
-        self.world, self.rank, self.pg = world, rank, pg
+        self.world, self.rank = world, rank
+        self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
         self.unit_fqn = unit_fqn
         self.device = torch.device("meta") if first.is_meta else device
         self.state = ShardedState.SHARDED
@@ -131,16 +137,20 @@ class FlatGroup:
         # `.data` shares storage but not the version counter: writing the
         # all-gather into it does not invalidate tensors saved for backward.
         self.flat_data = self.flat.data
-        with torch.enable_grad():
-            chunks = torch.split(self.flat, split_sizes)
-            for e, i in zip(entries, view_at):
-                e.unsharded = chunks[i].view(e.shape)
+        self._split_sizes, self._view_at = split_sizes, view_at
+        self.refresh_views()
         self._free_flat()
 
         self.grad_shard: torch.Tensor | None = None
         self._pending: Pending | None = None
 
     # ------------------------------------------------------------------ views
+    def refresh_views(self) -> None:
+        """Re-make the full-shape views (and their one split node), see the Note."""
+        chunks = torch.split(self.flat, self._split_sizes)
+        for e, i in zip(self.entries, self._view_at):
+            e.unsharded = chunks[i].view(e.shape)
+
     def install_sharded(self) -> None:
         for e in self.entries:
             for m, name in e.slots:
@@ -224,7 +234,7 @@ class FlatGroup:
         if self.world == 1:
             return _GradLaunch(self, Pending(None, ()), flat_grad, mode)
         out = self._grad_buffer() if mode == "fresh" else torch.empty_like(self._grad_buffer())
-        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.pg), out, mode)
+        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg), out, mode)
 
     def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
         buf = self._grad_buffer()

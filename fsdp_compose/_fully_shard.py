@@ -96,10 +96,12 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _describe(modules: list[nn.Module]) -> str:
+    """The unit's FQN once a parent was sharded, else its modules' class names."""
     names = []
     for m in modules:
         u = unit_of(m)
-        names.append(u.fqn if u is not None and u.fqn else type(m).__name__)
+        cls = type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)
+        names.append(u.fqn if u is not None and u.fqn else cls.__name__)
     return ", ".join(names)
 
 
@@ -138,13 +140,34 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
     return [found[i] for i in order]
 
 
+_RS_GROUPS: dict = {}
+
+
+def _reduce_scatter_group(pg):
+    """A second process group over the same ranks, for reduce-scatters.
+
+    See [Note: collective order] in _state.py: all-gathers and reduce-scatters
+    each follow their own rank-independent order, so they must not share a
+    group. Created at fully_shard time (every member calls fully_shard in the
+    same order); only the members take part.
+    """
+    if dist.get_world_size(pg) == 1:
+        return pg
+    key = dist.get_process_group_ranks(pg)
+    key = (tuple(key), dist.get_backend(pg))
+    if key not in _RS_GROUPS:
+        _RS_GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=True)
+    return _RS_GROUPS[key]
+
+
 def _build_groups(params: list, label: str, device, mesh: DeviceMesh) -> list[FlatGroup]:
     by_key: dict[tuple, list] = {}
     for item in params:
         p = item[0]
         by_key.setdefault((p.dtype, p.requires_grad), []).append(item)
-    world, rank = mesh.size(), mesh.get_local_rank()
-    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=mesh.get_group())
+    world, rank, pg = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    rs_pg = _reduce_scatter_group(pg)
+    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg)
             for items in by_key.values()]
 
 

@@ -6,17 +6,23 @@ FQN, checks the parameters, and builds the ``RootContext`` all units then
 reference: the flat-param registry, the stream manager, and the backward
 bookkeeping (reduce-scatter order, the final callback).
 
-[Note: reduce-scatter order]
-Collectives must be issued in the same order on every rank, but the order in
-which post-backward hooks fire depends on each rank's autograd graph (a unit
-may produce no gradient on some rank). So reduce-scatters are issued in one
-rank-independent order: the reverse of the units' first-forward order in this
-step. A unit whose gradients are ready waits until every unit before it in
-that order has been issued; the root's final callback issues the rest,
-zero-filled where this rank produced no gradient. Ranks never diverge, and a
-parameter used on only some ranks still gets the rank-average gradient.
-At most one unit's reduce-scatters are in flight at a time, so flat gradients
-are freed as backward proceeds.
+[Note: collective order]
+Collectives on one process group must be issued in the same order on every
+rank, but which hooks fire in backward, and when, depends on each rank's
+autograd graph (a unit may get no gradient on some rank). So backward
+collectives follow one rank-independent order, the *backward order*: the
+reverse of the units' first-forward order in this step (units whose forward
+ran with a backward to follow).
+- All-gathers: when a unit needs its parameters in backward, every unit
+  before it in the backward order is gathered first (each once per backward).
+- Reduce-scatters (on a second process group over the same ranks, so the two
+  streams cannot block each other): a unit whose gradients are ready waits
+  until every trainable unit before it in the backward order was issued; the
+  root's final callback issues the rest, zero-filled where this rank produced
+  no gradient.
+Ranks never diverge, and a parameter used on only some ranks still gets the
+rank-average gradient. At most one unit's reduce-scatters are in flight at a
+time, so flat gradients are freed as backward proceeds.
 """
 from __future__ import annotations
 
@@ -67,11 +73,13 @@ class RootContext:
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
-        self._expecting: dict[Unit, None] = {}  # units that ran forward under grad, in order
+        self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
+        self._grad_follows: set[Unit] = set()    # ... whose outputs will see a backward
         # per backward
         self._callback_queued = False
-        self._order: list[Unit] | None = None   # reduce-scatter order, see the Note
-        self._next = 0
+        self._order: list[Unit] | None = None   # the backward order, see the Note
+        self._gather_next = 0                   # next index in it to all-gather
+        self._next = 0                          # next index in it to reduce-scatter
         self._ready: set[Unit] = set()
         self._in_flight: list = []
 
@@ -81,13 +89,15 @@ class RootContext:
             self._abort_step()  # a previous backward raised before finishing
         if self._new_step:
             self._new_step = False
-            self._expecting.clear()
+            self._step_order.clear()
+            self._grad_follows.clear()
 
     def record_forward(self, unit: Unit) -> None:
         self.registry.record(unit)
+        self._step_order.setdefault(unit, None)
 
     def expect_backward(self, unit: Unit) -> None:
-        self._expecting.setdefault(unit, None)
+        self._grad_follows.add(unit)
 
     # ----------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
@@ -96,18 +106,36 @@ class RootContext:
             self.registry.stop_recording()
             _compat.queue_final_callback(self._final_callback)
 
+    def backward_order(self) -> list[Unit]:
+        if self._order is None:
+            self._order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+        return self._order
+
+    def unshard_for_backward(self, unit: Unit) -> None:
+        """All-gather ``unit`` and, first, every unit before it in the backward order."""
+        if unit in self._grad_follows:
+            order = self.backward_order()
+            stop = order.index(unit)
+            while self._gather_next <= stop:
+                self._gather_next += 1
+                order[self._gather_next - 1].unshard()
+        unit.unshard()
+        unit.wait_for_unshard()
+
     def grads_ready(self, unit: Unit) -> None:
         self._ready.add(unit)
-        if unit not in self._expecting:  # e.g. reentrant recomputation: issue now
+        if unit not in self._grad_follows:  # e.g. reentrant recomputation: issue now
             self._launch(unit)
             return
         self._issue_in_order(final=False)
 
     def _issue_in_order(self, final: bool) -> None:
-        if self._order is None:
-            self._order = list(reversed(self._expecting))
-        while self._next < len(self._order):
-            unit = self._order[self._next]
+        order = self.backward_order()
+        while self._next < len(order):
+            unit = order[self._next]
+            if not unit.trainable:
+                self._next += 1
+                continue
             if not final and unit not in self._ready:
                 break
             self._next += 1
@@ -135,6 +163,7 @@ class RootContext:
     def _reset_backward(self) -> None:
         self._callback_queued = False
         self._order = None
+        self._gather_next = 0
         self._next = 0
         self._ready.clear()
 
@@ -186,6 +215,7 @@ def lazy_init_root(unit: Unit) -> None:
     for _, u in named:
         if u not in units:
             units.append(u)
+    _check_not_meta(unit, units)
     for u in units:
         _check_params(u)
     device = unit.groups[0].device if unit.groups else torch.device("cpu")
@@ -197,13 +227,18 @@ def lazy_init_root(unit: Unit) -> None:
     trace("lazy_init", unit.fqn, f"units={len(units)}")
 
 
+def _check_not_meta(root: Unit, units: list[Unit]) -> None:
+    meta = [e.fqn for u in units for g in u.groups if g.device.type == "meta" for e in g.entries]
+    if meta:
+        shown = ", ".join(meta[:8]) + (f" and {len(meta) - 8} more" if len(meta) > 8 else "")
+        raise unit_error(
+            root.fqn, f"{len(meta)} parameters are still on the meta device at the first "
+            f"forward: {shown}.", "Initialise the model on a real device (e.g. "
+            "module.to_empty(device=...) and reset_parameters()) before calling fully_shard.")
+
+
 def _check_params(u: Unit) -> None:
     for g in u.groups:
-        if g.device.type == "meta":
-            raise unit_error(
-                u.fqn, f"parameters {[e.fqn for e in g.entries]} are still on the meta device "
-                "at the first forward.", "Initialise the model on a real device (e.g. "
-                "module.to_empty(device=...) and reset_parameters()) before calling fully_shard.")
         for e in g.entries:
             for m, attr in e.slots:
                 held = m._parameters.get(attr)

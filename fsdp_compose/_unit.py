@@ -99,8 +99,10 @@ class Unit:
         ctx = self._ensure_ctx()
         if _compat.in_backward():  # see [Note: recomputation]
             trace("pre_forward_recompute", self.fqn, self.state.name)
-            self.unshard()
-            self.wait_for_unshard()
+            if torch.is_grad_enabled():
+                for g in self.trainable:
+                    g.refresh_views()
+            ctx.unshard_for_backward(self)
             return None
         if self._forward_depth == 0:
             if self.is_root:
@@ -111,6 +113,9 @@ class Unit:
             ctx.record_forward(self)
             with torch.profiler.record_function(f"fsdp_compose::pre_forward ({self.fqn})"):
                 self.unshard()
+                if torch.is_grad_enabled():
+                    for g in self.trainable:
+                        g.refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1
         return None
@@ -127,7 +132,7 @@ class Unit:
             return None
         trace("post_forward", self.fqn, self.state.name)
         grad_follows = torch.is_grad_enabled() and bool(outs)
-        if grad_follows and self.trainable:
+        if grad_follows:
             self.ctx.expect_backward(self)
         if self.reshard_after_forward or not grad_follows:
             self.reshard()
@@ -142,8 +147,7 @@ class Unit:
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
         with torch.profiler.record_function(f"fsdp_compose::pre_backward ({self.fqn})"):
-            self.unshard()
-            self.wait_for_unshard()
+            self.ctx.unshard_for_backward(self)
 
     def _make_grad_hook(self, group: FlatGroup):
         idx = self.trainable.index(group)

@@ -1,0 +1,34 @@
+"""The ``fsdp-compose`` command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-compose", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train a small Llama on the shipped text with fully_shard",
+        description="Train a small character-level Llama on the shipped text, each block and "
+        "the root sharded with fully_shard, and print a summary. Spawns --world-size gloo "
+        "CPU ranks, or joins a torchrun job (NCCL on CUDA) when RANK/WORLD_SIZE are set.",
+    )
+    from fsdp_compose.demo.train import add_arguments
+
+    add_arguments(demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from fsdp_compose.demo.train import run
+
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

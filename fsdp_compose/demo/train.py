@@ -1,0 +1,212 @@
+"""``make demo``: train a small character-level Llama on the shipped text with
+every block, then the root, passed to ``fsdp_compose.fully_shard``.
+
+Under torchrun (``RANK``/``WORLD_SIZE`` set) it joins that job: NCCL on
+``cuda:LOCAL_RANK`` when CUDA is there, gloo on CPU otherwise. Run plainly,
+it spawns ``--world-size`` gloo CPU ranks itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import resource
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import fsdp_compose
+from fsdp_compose.demo.data import BatchSampler, CharTokenizer, load_text
+from fsdp_compose.demo.model import ModelArgs, Transformer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="CPU ranks to spawn when not under torchrun (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="global batch in sequences, split evenly over ranks (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=128, help="characters per sequence (default: %(default)s)")
+    p.add_argument("--dim", type=int, default=128, help="model width; heads of 32 (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args: argparse.Namespace | None = None, **overrides) -> dict | None:
+    """Run the demo; ``overrides`` replace options by their dest name
+    (``run(steps=20, no_progress=True)``). Returns the summary dict where rank
+    0 lives in this process (spawned runs and torchrun rank 0), else None."""
+    args = argparse.Namespace(**{**vars(args or add_arguments(argparse.ArgumentParser()).parse_args([])),
+                                 **overrides})
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _torchrun_main(args)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.spawn(_spawned_main, args=(args, _free_port(), results), nprocs=args.world_size, join=True)
+    return results.get()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=args.world_size)
+    try:
+        summary = train(args, torch.device("cpu"))
+        if rank == 0:
+            results.put(summary)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torchrun_main(args: argparse.Namespace) -> dict | None:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        return train(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> dict | None:
+    """The training run on this rank. Rank 0 prints and returns the summary."""
+    from tqdm import tqdm
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    text = load_text()
+    tok = CharTokenizer(text)
+    sampler = BatchSampler(tok.encode(text), global_batch=args.batch_size, seq_len=args.seq_len,
+                           rank=rank, world_size=world_size, seed=args.seed)
+
+    torch.manual_seed(args.seed)  # same init on every rank
+    margs = ModelArgs(vocab_size=tok.vocab_size, dim=args.dim, n_layers=args.layers,
+                      n_heads=max(1, args.dim // 32), max_seq_len=args.seq_len)
+    model = Transformer(margs).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    # Decide weight decay by name now: once sharded, every parameter is a 1-D view.
+    decay = {n for n, p in model.named_parameters() if p.ndim >= 2}
+    for block in model.layers:
+        fsdp_compose.fully_shard(block)
+    fsdp_compose.fully_shard(model)  # root: tied embedding/head, final norm
+
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+
+    fsdp_compose.reset_comm_stats()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    bar = tqdm(range(args.steps), disable=rank != 0 or args.no_progress, desc="train", unit="step",
+               file=sys.stderr)
+    for step in bar:
+        x, y = (t.to(device) for t in sampler.batch(step))  # (b, s), (b, s)
+        logits = model(x)  # (b, s, v)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        fsdp_compose.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(loss.detach())
+        if step % 10 == 0 or step == args.steps - 1:
+            bar.set_postfix(loss=f"{losses[-1].item():.3f}")
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    stats = fsdp_compose.comm_stats()
+
+    # One all-reduce for the whole history: the loss of the global batch at each step.
+    history = torch.stack(losses).float()
+    dist.all_reduce(history)
+    history = (history / world_size).tolist()
+    k = min(10, len(history))
+    sample = generate(model, tok, "The ", 160, device, seed=args.seed)
+    # Each rank's peak memory and comm counters, gathered to rank 0 as one int64 row each.
+    fields = ["peak_mem_bytes", *(f.name for f in dataclasses.fields(stats))]
+    mine = torch.tensor([_peak_memory(device), *dataclasses.astuple(stats)], device=device)  # (f,)
+    rows = torch.zeros(world_size, len(fields), dtype=torch.int64, device=device)  # (w, f)
+    rows[rank] = mine
+    dist.all_reduce(rows)  # a sum in which each row has one writer: a gather that any backend has
+    per_rank = [{"rank": r, **dict(zip(fields, row))} for r, row in enumerate(rows.tolist())]
+    if rank != 0:
+        return None
+    summary = {
+        "steps": args.steps, "world_size": world_size, "backend": dist.get_backend(),
+        "device": device.type, "n_params": n_params, "layers": args.layers, "dim": args.dim,
+        "global_batch": args.batch_size, "seq_len": args.seq_len, "elapsed_s": elapsed,
+        "loss_start": sum(history[:k]) / k, "loss_end": sum(history[-k:]) / k, "loss_window": k,
+        "tokens_per_s": args.steps * args.batch_size * args.seq_len / elapsed,
+        "memory_kind": "max CUDA allocated" if device.type == "cuda" else "peak RSS",
+        "ranks": per_rank, "sample": sample,
+    }
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+@torch.no_grad()
+def generate(model, tok: CharTokenizer, prompt: str, n: int, device: torch.device, *, seed: int,
+             temperature: float = 0.8) -> str:
+    """Sample ``n`` characters. Every rank must call it (each forward all-gathers);
+    the same seed on every rank keeps the ranks' samples identical."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = tok.encode(prompt).to(device)[None]  # (1, t)
+    for _ in range(n):
+        logits = model(ids[:, -model.args.max_seq_len:])[:, -1]  # (1, v)
+        probs = F.softmax(logits / temperature, dim=-1)  # (1, v)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], dim=1)  # (1, t+1)
+    return tok.decode(ids[0])
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"fsdp-compose demo: {s['layers']}-layer dim-{s['dim']} Llama, {s['n_params'] / 1e6:.2f}M params, "
+        f"{s['world_size']} ranks ({s['backend']}, {s['device']})",
+        f"loss        {s['loss_start']:.3f} -> {s['loss_end']:.3f}  "
+        f"(mean of first/last {s['loss_window']} steps)",
+        f"throughput  {s['tokens_per_s']:,.0f} tokens/s global  ({s['steps']} steps x "
+        f"{s['global_batch']} x {s['seq_len']} tokens in {s['elapsed_s']:.1f} s)",
+        f"rank  {s['memory_kind']:>18}  {'all-gathered':>24}  {'reduce-scattered':>24}",
+    ]
+    for r in s["ranks"]:
+        ag = f"{_mib(r['all_gather_bytes'])} / {r['all_gather_calls']} calls"
+        rs = f"{_mib(r['reduce_scatter_bytes'])} / {r['reduce_scatter_calls']} calls"
+        lines.append(f"{r['rank']:>4}  {_mib(r['peak_mem_bytes']):>18}  {ag:>24}  {rs:>24}")
+    lines.append("sample      " + s["sample"].replace("\n", "\n            "))
+    return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""FSDPModule semantics, clear errors for bad input, collective counts.
+
+Each group of checks runs in ONE multi-process launch (a module-scoped
+fixture) and the tests assert on what the ranks returned.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp_compose
+from fsdp_compose import FSDPModule, comm_stats, fully_shard, param_info, reset_comm_stats
+
+from ._dist import run_distributed
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.lin1 = nn.Linear(d, 2 * d + 1)
+        self.lin2 = nn.Linear(2 * d + 1, d)
+
+    def forward(self, x):
+        return x + self.lin2(torch.relu(self.lin1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 2, d: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def shard(model: Net, **kw) -> Net:
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    return fully_shard(model)
+
+
+def _error(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+# --------------------------------------------------------------------- errors
+def _errors(rank, world):
+    out = {}
+
+    m = Net()
+    fully_shard(m.layers[0])
+    out["twice"] = _error(lambda: fully_shard(m.layers[0]))
+    fully_shard(m.layers[1])
+    fully_shard(m)  # now every unit has its FQN
+    out["twice_named"] = _error(lambda: fully_shard(m.layers[1]))
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.head(self.embed(x))
+
+    t = Tied()
+    fully_shard(t.embed)
+    out["tied_across_units"] = _error(lambda: fully_shard(t.head))
+
+    with torch.device("meta"):
+        meta = Net()
+    shard(meta)
+    out["meta"] = _error(lambda: meta(torch.randn(2, 3)))
+
+    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("rep", "shard"))
+    out["mesh_2d"] = _error(lambda: fully_shard(Net(), mesh=mesh2d))
+
+    stranger = nn.Parameter(torch.zeros(3))
+    out["ignored_not_param"] = _error(lambda: fully_shard(Net(), ignored_params=[stranger]))
+
+    out["module_list"] = _error(lambda: fully_shard(Net().layers))
+
+    moved = shard(Net())
+    moved.to(torch.float64)  # replaces every parameter's .data after fully_shard
+    out["moved_after"] = _error(lambda: moved(torch.randn(2, 3, dtype=torch.float64)))
+
+    out["param_info_plain"] = _error(lambda: param_info(nn.Parameter(torch.zeros(2))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def errors():
+    return run_distributed(_errors, 2)[0]
+
+
+@pytest.mark.parametrize("case,exc,needles", [
+    ("twice", "ValueError", ["unit 'Block'", "already applied", "once per module"]),
+    ("twice_named", "ValueError", ["unit 'layers.1'", "already applied"]),
+    ("tied_across_units", "ValueError", ["'weight'", "fully_shard([module_a, module_b])"]),
+    ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device", "before calling fully_shard"]),
+    ("mesh_2d", "ValueError", ["1-D", "mesh['dp']"]),
+    ("ignored_not_param", "ValueError", ["not a parameter of this module", "(3,)"]),
+    ("module_list", "ValueError", ["ModuleList", "each block"]),
+    ("moved_after", "RuntimeError", ["<root>", "'inp.weight'", "before calling fully_shard"]),
+    ("param_info_plain", "ValueError", ["not a parameter sharded by fully_shard"]),
+])
+def test_clear_errors(errors, case, exc, needles):
+    got_exc, msg = errors[case]
+    assert got_exc == exc, (case, got_exc, msg)
+    for needle in needles:
+        assert needle in msg, f"{case}: {needle!r} not in {msg!r}"
+    assert "[rank" in msg or case in ("param_info_plain",), msg
+
+
+# ---------------------------------------------------------- module semantics
+def _semantics(rank, world):
+    torch.manual_seed(0)
+    m = Net(n=2)
+    ref = copy.deepcopy(m)
+    names_before = [n for n, _ in m.named_parameters()]
+    shard(m)
+    out = {
+        "is_fsdp": isinstance(m, FSDPModule) and isinstance(m.layers[0], FSDPModule),
+        "keeps_class": isinstance(m, Net) and isinstance(m.layers[1], Block),
+        "inner_plain": not isinstance(m.layers[0].lin1, FSDPModule),
+        "names_same": [n for n, _ in m.named_parameters()] == names_before,
+        "all_1d": all(p.dim() == 1 for p in m.parameters()),
+        "local_numel": sum(p.numel() for p in m.parameters()),
+        "global_numel": sum(param_info(p).numel for p in m.parameters()),
+    }
+    # every local piece is the matching slice of the original parameter
+    rp = dict(ref.named_parameters())
+    out["slices_match"] = all(
+        torch.equal(p.detach(), rp[n].detach().flatten()[slice(*param_info(p).local_range)])
+        for n, p in m.named_parameters())
+    # unshard() installs full-shape views with the full values; reshard() undoes it
+    m.layers[1].unshard()
+    out["unsharded_full"] = all(
+        torch.equal(getattr(m.layers[1], a).weight, getattr(ref.layers[1], a).weight)
+        for a in ("lin1", "lin2"))
+    m.layers[1].reshard()
+    out["resharded_1d"] = m.layers[1].lin1.weight.dim() == 1
+    h = m.layers[0].unshard(async_op=True)
+    h.wait()
+    out["async_unshard"] = m.layers[0].lin2.weight.shape == ref.layers[0].lin2.weight.shape
+    m.layers[0].reshard()
+    # forward output equals the reference; eval under no_grad leaves all sharded
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        out["eval_equal"] = torch.allclose(m(x), ref(x), atol=1e-6)
+    out["sharded_after_eval"] = all(p.dim() == 1 for p in m.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def semantics():
+    return run_distributed(_semantics, 2)
+
+
+@pytest.mark.parametrize("key", ["is_fsdp", "keeps_class", "inner_plain", "names_same", "all_1d",
+                                 "slices_match", "unsharded_full", "resharded_1d",
+                                 "async_unshard", "eval_equal", "sharded_after_eval"])
+def test_semantics(semantics, key):
+    assert all(r[key] for r in semantics), [r[key] for r in semantics]
+
+
+def test_local_pieces_partition_the_model(semantics):
+    # the ranks' pieces add up to the model (no element held twice or lost)
+    assert sum(r["local_numel"] for r in semantics) == semantics[0]["global_numel"]
+    assert semantics[0]["global_numel"] == sum(p.numel() for p in Net(n=2).parameters())
+
+
+# --------------------------------------------------------- collective counts
+def _counts(rank, world, raf):
+    torch.manual_seed(0)
+    m = shard(Net(n=4), reshard_after_forward=raf)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    per_step = []
+    for _ in range(2):
+        reset_comm_stats()
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        s = comm_stats()
+        per_step.append((s.all_gather_calls, s.reduce_scatter_calls, s.all_reduce_calls))
+    return per_step
+
+
+@pytest.mark.parametrize("raf,expected", [
+    # 4 blocks + root: forward gathers 5; with resharding, backward regathers the 4 blocks
+    (True, (9, 5, 0)),
+    (False, (5, 5, 0)),
+])
+def test_collective_counts(raf, expected):
+    for per_step in run_distributed(_counts, 2, raf):
+        assert per_step == [expected, expected]
+
+
+def test_world_size_one_issues_no_collectives():
+    assert run_distributed(_counts, 1, True)[0] == [(0, 0, 0), (0, 0, 0)]

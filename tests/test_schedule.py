@@ -1,0 +1,109 @@
+"""The schedule of one training step, as recorded from the hook seams.
+
+Tests the *order* of unshard / reshard / reduce-scatter, not only the numbers:
+refresh the literals with EXPECTTEST_ACCEPT=1 after an intended change.
+"""
+from __future__ import annotations
+
+import expecttest
+import torch
+import torch.nn as nn
+
+from fsdp_compose import fully_shard, record_schedule
+
+from ._dist import run_distributed
+from .test_api import Block, Net, shard
+
+
+def _fmt(events) -> str:
+    return "\n".join(" ".join(x for x in e if x) for e in events)
+
+
+def _one_step(rank, world):
+    m = shard(Net(n=2))
+    x = torch.randn(2, 3)
+    m(x).sum().backward()  # first step: lazy init, order recording
+    with record_schedule() as ev:
+        m(x).sum().backward()
+    return _fmt(ev)
+
+
+class Branchy(nn.Module):
+    """layers.1 contributes to the loss only on rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 6)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+
+    def forward(self, x, use_branch: bool):
+        x = self.layers[0](self.inp(x))
+        y = self.layers[1](x)
+        y = y if use_branch else y.detach() * 0
+        return self.layers[2](x + y)
+
+
+def _unused_on_rank1(rank, world):
+    m = Branchy()
+    for layer in m.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    x = torch.randn(2, 3)
+    with record_schedule() as ev:
+        m(x, use_branch=(rank == 0)).sum().backward()
+    grads_set = all(p.grad is not None for p in m.layers[1].parameters())
+    return _fmt(e for e in ev if e[0] in ("reduce_scatter", "final_callback")), grads_set
+
+
+class TestSchedule(expecttest.TestCase):
+    def test_one_step(self):
+        rank0, rank1 = run_distributed(_one_step, 2)
+        self.assertEqual(rank0, rank1)
+        self.assertExpectedInline(rank0, """\
+pre_forward IDLE
+all_gather FORWARD
+pre_forward layers.0 IDLE
+all_gather layers.0 FORWARD
+post_forward layers.0 FORWARD
+reshard layers.0 FORWARD
+pre_forward layers.1 IDLE
+all_gather layers.1 FORWARD
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+all_gather layers.1 IDLE
+all_gather layers.0 IDLE
+pre_backward layers.1 IDLE
+post_backward layers.1 PRE_BACKWARD
+reshard layers.1 POST_BACKWARD
+reduce_scatter layers.1 ready
+pre_backward layers.0 IDLE
+post_backward layers.0 PRE_BACKWARD
+reshard layers.0 POST_BACKWARD
+reduce_scatter layers.0 ready
+post_backward PRE_BACKWARD
+reshard POST_BACKWARD
+reduce_scatter ready
+final_callback""")
+
+    def test_unit_without_gradient_on_one_rank(self):
+        (r0, set0), (r1, set1) = run_distributed(_unused_on_rank1, 2)
+        units = [[line.split()[1] for line in r.splitlines() if line.startswith("reduce_scatter")]
+                 for r in (r0, r1)]
+        self.assertEqual(units[0], units[1])  # one order on every rank
+        # rank 1 produced no gradient for layers.1: it reduce-scatters zeros,
+        # in the same position as rank 0 does, from the final callback.
+        self.assertExpectedInline(r0, """\
+reduce_scatter layers.2 ready
+reduce_scatter layers.1 ready
+reduce_scatter layers.0 ready
+reduce_scatter ready
+final_callback""")
+        self.assertExpectedInline(r1, """\
+reduce_scatter layers.2 ready
+final_callback
+reduce_scatter layers.1 zero-filled
+reduce_scatter layers.0 ready
+reduce_scatter ready""")
+        self.assertTrue(set0 and set1)
