@@ -7,7 +7,8 @@
 """
 from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, lazy_init, param_info
+from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, lazy_init, param_info,
+                           register_fsdp_forward_method)
 from .api import CommStats, ParamInfo
 from .clip import clip_grad_norm_
 
@@ -17,6 +18,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "param_info",
+    "register_fsdp_forward_method",
     "ParamInfo",
     "lazy_init",
     "comm_stats",

@@ -1,6 +1,7 @@
 """fully_shard() and the FSDPModule mixin."""
 from __future__ import annotations
 
+import functools
 from typing import Iterable, overload
 
 import torch
@@ -40,6 +41,7 @@ class FSDPModule:
         """
         unit = self._unit()
         unit.unshard()
+        unit.pinned = True
         handle = UnshardHandle(unit)
         if async_op:
             return handle
@@ -48,7 +50,9 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the modules see 1-D shards again."""
-        self._unit().reshard()
+        unit = self._unit()
+        unit.pinned = False
+        unit.reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters after forward (True) or keep them for backward."""
@@ -272,6 +276,31 @@ def _post_forward_hook(unit: Unit):
     def hook(module, args, output):
         return unit.post_forward(module, args, output)
     return hook
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` like ``forward``: parameters unsharded around it.
+
+    For methods such as ``generate`` that use the parameters without going
+    through ``forward``. Calls of ``forward`` nested inside it are fine.
+    """
+    unit = unit_of(module)
+    if unit is None:
+        raise ValueError(f"fsdp_compose.register_fsdp_forward_method: {type(module).__name__} "
+                         "is not sharded; call fully_shard on it first.")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise unit_error(unit.fqn, f"has no method {method_name!r}.",
+                         "Pass the name of a method of the module.", exc=ValueError)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        unit.pre_forward(module, args, kwargs)
+        out = method(*args, **kwargs)
+        unit.post_forward(module, args, out)
+        return out
+
+    module.__dict__[method_name] = wrapped
 
 
 def param_info(param: torch.Tensor):

@@ -82,15 +82,21 @@ class RootContext:
         self._next = 0                          # next index in it to reduce-scatter
         self._ready: set[Unit] = set()
         self._in_flight: list = []
+        self.accumulated = False                # a flat gradient arrived in this backward
+        self.in_training_forward = False        # inside a grad-enabled forward of the root
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
         if any(u.state is not TrainingState.IDLE for u in self.units):
             self._abort_step()  # a previous backward raised before finishing
-        if self._new_step:
+        self.in_training_forward = torch.is_grad_enabled()
+        if self._new_step and torch.is_grad_enabled():  # eval forwards start no step
             self._new_step = False
             self._step_order.clear()
             self._grad_follows.clear()
+            for u in self.units:  # left unsharded by a forward with no backward:
+                if u.is_unsharded and not u.pinned:  # may be stale after optimizer.step()
+                    u.reshard()
 
     def record_forward(self, unit: Unit) -> None:
         self.registry.record(unit)
@@ -112,7 +118,8 @@ class RootContext:
         return self._order
 
     def unshard_for_backward(self, unit: Unit) -> None:
-        """All-gather ``unit`` and, first, every unit before it in the backward order."""
+        """Issue the all-gather of ``unit`` and, first, of every unit before it
+        in the backward order (no wait)."""
         if unit in self._grad_follows:
             order = self.backward_order()
             stop = order.index(unit)
@@ -120,7 +127,6 @@ class RootContext:
                 self._gather_next += 1
                 order[self._gather_next - 1].unshard()
         unit.unshard()
-        unit.wait_for_unshard()
 
     def grads_ready(self, unit: Unit) -> None:
         self._ready.add(unit)
@@ -153,7 +159,8 @@ class RootContext:
     def _final_callback(self) -> None:
         with torch.profiler.record_function("fsdp_compose::final_callback"):
             trace("final_callback", self.root.fqn)
-            self._issue_in_order(final=True)
+            if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
+                self._issue_in_order(final=True)
             self._drain()
             for u in self.units:
                 u.finish_backward()
@@ -162,6 +169,7 @@ class RootContext:
 
     def _reset_backward(self) -> None:
         self._callback_queued = False
+        self.accumulated = False
         self._order = None
         self._gather_next = 0
         self._next = 0

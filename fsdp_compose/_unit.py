@@ -47,6 +47,7 @@ class Unit:
         self.state = TrainingState.IDLE
         self.ctx: RootContext | None = None
         self._forward_depth = 0   # >0 while inside any module of this unit
+        self.pinned = False       # unsharded by the user (FSDPModule.unshard)
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
         for g in self.trainable:
             g.flat.register_post_accumulate_grad_hook(self._make_grad_hook(g))
@@ -99,10 +100,9 @@ class Unit:
         ctx = self._ensure_ctx()
         if _compat.in_backward():  # see [Note: recomputation]
             trace("pre_forward_recompute", self.fqn, self.state.name)
-            if torch.is_grad_enabled():
-                for g in self.trainable:
-                    g.refresh_views()
             ctx.unshard_for_backward(self)
+            self._refresh_views()
+            self.wait_for_unshard()
             return None
         if self._forward_depth == 0:
             if self.is_root:
@@ -113,12 +113,16 @@ class Unit:
             ctx.record_forward(self)
             with torch.profiler.record_function(f"fsdp_compose::pre_forward ({self.fqn})"):
                 self.unshard()
-                if torch.is_grad_enabled():
-                    for g in self.trainable:
-                        g.refresh_views()
+                self._refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1
         return None
+
+    def _refresh_views(self) -> None:
+        """After ``unshard()``: views need the storage allocated."""
+        if torch.is_grad_enabled():
+            for g in self.trainable:
+                g.refresh_views()
 
     def post_forward(self, module: nn.Module, args, output):
         if _compat.in_backward():  # see [Note: recomputation]
@@ -134,8 +138,15 @@ class Unit:
         grad_follows = torch.is_grad_enabled() and bool(outs)
         if grad_follows:
             self.ctx.expect_backward(self)
-        if self.reshard_after_forward or not grad_follows:
+        # An eval forward (no backward follows, and not inside a training
+        # forward of the root, where a no-grad island is e.g. a reentrant
+        # checkpoint whose recomputation wants the parameters) frees them
+        # whatever the setting: the optimizer never steps under a stale copy.
+        in_training_step = self.ctx.in_training_forward and not self.is_root
+        if self.reshard_after_forward or not (grad_follows or in_training_step):
             self.reshard()
+        if self.is_root:
+            self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
         return None
 
@@ -148,6 +159,7 @@ class Unit:
         self.state = TrainingState.PRE_BACKWARD
         with torch.profiler.record_function(f"fsdp_compose::pre_backward ({self.fqn})"):
             self.ctx.unshard_for_backward(self)
+            self.wait_for_unshard()
 
     def _make_grad_hook(self, group: FlatGroup):
         idx = self.trainable.index(group)
@@ -160,6 +172,7 @@ class Unit:
     def _on_grad_accumulated(self, idx: int) -> None:
         ctx = self._ensure_ctx()
         ctx.on_backward_hook()
+        ctx.accumulated = True
         self._ready.add(idx)
         if len(self._ready) < len(self.trainable):
             return
@@ -175,6 +188,7 @@ class Unit:
 
     def finish_backward(self) -> None:
         """Called by the root's final callback, for every unit."""
+        self.pinned = False
         self.reshard()
         self._ready.clear()
         self._forward_depth = 0

@@ -6,11 +6,14 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-compose", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fsdp-compose", description="fsdp_compose: composable, zero-copy fully-sharded data "
+        "parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
         help="train a small Llama on the shipped text with fully_shard",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a small character-level Llama on the shipped text, each block and "
         "the root sharded with fully_shard, and print a summary. Spawns --world-size gloo "
         "CPU ranks, or joins a torchrun job (NCCL on CUDA) when RANK/WORLD_SIZE are set.",
@@ -22,11 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
-        from fsdp_compose.demo.train import run
+        from fsdp_compose.demo.train import DemoArgumentError, run
 
-        run(args)
+        try:
+            run(args)
+        except DemoArgumentError as e:
+            parser.error(f"demo: {e}")
     return 0
 
 

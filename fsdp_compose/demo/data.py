@@ -42,7 +42,8 @@ class BatchSampler:
     def __init__(self, tokens: torch.Tensor, *, global_batch: int, seq_len: int,
                  rank: int, world_size: int, seed: int) -> None:
         if global_batch % world_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size}")
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by world size {world_size}")
         if tokens.numel() <= seq_len:
             raise ValueError(f"text of {tokens.numel()} tokens is too short for seq_len {seq_len}")
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed

@@ -28,27 +28,45 @@ from fsdp_compose.demo.model import ModelArgs, Transformer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    """The demo's options (the CLI shows their defaults)."""
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--world-size", type=int, default=2,
-                   help="CPU ranks to spawn when not under torchrun (default: %(default)s)")
+                   help="CPU ranks to spawn when not under torchrun")
     p.add_argument("--batch-size", type=int, default=16,
-                   help="global batch in sequences, split evenly over ranks (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=128, help="characters per sequence (default: %(default)s)")
-    p.add_argument("--dim", type=int, default=128, help="model width; heads of 32 (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data order (default: %(default)s)")
+                   help="global batch in sequences, split evenly over the ranks")
+    p.add_argument("--seq-len", type=int, default=128, help="characters per sequence")
+    p.add_argument("--dim", type=int, default=128, help="model width, a multiple of 32")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model init, data order and sampling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+class DemoArgumentError(ValueError):
+    """Options that cannot work, found before any process starts."""
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    if min(args.steps, world_size, args.batch_size, args.seq_len, args.layers) < 1:
+        raise DemoArgumentError(
+            "--steps, --world-size, --batch-size, --seq-len and --layers must be >= 1")
+    if args.batch_size % world_size:
+        raise DemoArgumentError(
+            f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}")
+    if args.dim < 32 or args.dim % 32:
+        raise DemoArgumentError(f"--dim {args.dim} must be a multiple of 32 (heads of 32)")
 
 
 def run(args: argparse.Namespace | None = None, **overrides) -> dict | None:
     """Run the demo; ``overrides`` replace options by their dest name
     (``run(steps=20, no_progress=True)``). Returns the summary dict where rank
     0 lives in this process (spawned runs and torchrun rank 0), else None."""
-    args = argparse.Namespace(**{**vars(args or add_arguments(argparse.ArgumentParser()).parse_args([])),
-                                 **overrides})
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    defaults = add_arguments(argparse.ArgumentParser()).parse_args([])
+    args = argparse.Namespace(**{**vars(defaults), **vars(args or defaults), **overrides})
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_args(args, int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size)
+    if under_torchrun:
         return _torchrun_main(args)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -97,25 +115,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict | None:
     tok = CharTokenizer(text)
     sampler = BatchSampler(tok.encode(text), global_batch=args.batch_size, seq_len=args.seq_len,
                            rank=rank, world_size=world_size, seed=args.seed)
-
-    torch.manual_seed(args.seed)  # same init on every rank
-    margs = ModelArgs(vocab_size=tok.vocab_size, dim=args.dim, n_layers=args.layers,
-                      n_heads=max(1, args.dim // 32), max_seq_len=args.seq_len)
-    model = Transformer(margs).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    # Decide weight decay by name now: once sharded, every parameter is a 1-D view.
-    decay = {n for n, p in model.named_parameters() if p.ndim >= 2}
-    for block in model.layers:
-        fsdp_compose.fully_shard(block)
-    fsdp_compose.fully_shard(model)  # root: tied embedding/head, final norm
-
-    named = list(model.named_parameters())
-    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
-                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
-        1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+    model, opt = build(args, tok.vocab_size, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, args.steps))
 
     fsdp_compose.reset_comm_stats()
     if device.type == "cuda":
@@ -123,8 +124,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict | None:
     losses = []
     dist.barrier()
     t0 = time.perf_counter()
-    bar = tqdm(range(args.steps), disable=rank != 0 or args.no_progress, desc="train", unit="step",
-               file=sys.stderr)
+    bar = tqdm(range(args.steps), disable=rank != 0 or args.no_progress, desc="train",
+               unit="step", file=sys.stderr)
     for step in bar:
         x, y = (t.to(device) for t in sampler.batch(step))  # (b, s), (b, s)
         logits = model(x)  # (b, s, v)
@@ -139,26 +140,21 @@ def train(args: argparse.Namespace, device: torch.device) -> dict | None:
             bar.set_postfix(loss=f"{losses[-1].item():.3f}")
     bar.close()
     elapsed = time.perf_counter() - t0
-    stats = fsdp_compose.comm_stats()
+    stats = fsdp_compose.comm_stats()  # training only: taken before the sampling below
 
     # One all-reduce for the whole history: the loss of the global batch at each step.
-    history = torch.stack(losses).float()
+    history = torch.stack(losses).float()  # (steps,)
     dist.all_reduce(history)
     history = (history / world_size).tolist()
     k = min(10, len(history))
     sample = generate(model, tok, "The ", 160, device, seed=args.seed)
-    # Each rank's peak memory and comm counters, gathered to rank 0 as one int64 row each.
-    fields = ["peak_mem_bytes", *(f.name for f in dataclasses.fields(stats))]
-    mine = torch.tensor([_peak_memory(device), *dataclasses.astuple(stats)], device=device)  # (f,)
-    rows = torch.zeros(world_size, len(fields), dtype=torch.int64, device=device)  # (w, f)
-    rows[rank] = mine
-    dist.all_reduce(rows)  # a sum in which each row has one writer: a gather that any backend has
-    per_rank = [{"rank": r, **dict(zip(fields, row))} for r, row in enumerate(rows.tolist())]
+    per_rank = gather_rank_stats(stats, device)
     if rank != 0:
         return None
     summary = {
         "steps": args.steps, "world_size": world_size, "backend": dist.get_backend(),
-        "device": device.type, "n_params": n_params, "layers": args.layers, "dim": args.dim,
+        "device": device.type, "layers": args.layers, "dim": args.dim,
+        "n_params": sum(i.numel for i in map(fsdp_compose.param_info, model.parameters())),
         "global_batch": args.batch_size, "seq_len": args.seq_len, "elapsed_s": elapsed,
         "loss_start": sum(history[:k]) / k, "loss_end": sum(history[-k:]) / k, "loss_window": k,
         "tokens_per_s": args.steps * args.batch_size * args.seq_len / elapsed,
@@ -167,6 +163,39 @@ def train(args: argparse.Namespace, device: torch.device) -> dict | None:
     }
     print(format_summary(summary), flush=True)
     return summary
+
+
+def build(args: argparse.Namespace, vocab_size: int, device: torch.device):
+    """The model, each block then the root sharded, and its AdamW (built after sharding)."""
+    torch.manual_seed(args.seed)  # the same init on every rank
+    model = Transformer(ModelArgs(vocab_size=vocab_size, dim=args.dim, n_layers=args.layers,
+                                  n_heads=args.dim // 32, max_seq_len=args.seq_len)).to(device)
+    # Choose weight decay by name now: once sharded, every parameter is a 1-D view.
+    no_decay = {n for n, p in model.named_parameters() if p.ndim < 2}
+    for block in model.layers:
+        fsdp_compose.fully_shard(block)
+    fsdp_compose.fully_shard(model)  # the root: tied embedding/head and the final norm
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": 0.1},
+              {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    """Linear warmup over the first 5% of steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, steps // 20)
+    cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / steps)))
+    return min((step + 1) / warmup, cosine)
+
+
+def gather_rank_stats(stats, device: torch.device) -> list[dict]:
+    """Every rank's peak memory and comm counters, on every rank: one int64 row per rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fields = ["peak_mem_bytes", *(f.name for f in dataclasses.fields(stats))]
+    rows = torch.zeros(world_size, len(fields), dtype=torch.int64, device=device)  # (w, f)
+    rows[rank] = torch.tensor([_peak_memory(device), *dataclasses.astuple(stats)])  # (f,)
+    dist.all_reduce(rows)  # a sum where each row has one writer: a gather any backend has
+    return [{"rank": r, **dict(zip(fields, row))} for r, row in enumerate(rows.tolist())]
 
 
 @torch.no_grad()
@@ -196,7 +225,8 @@ def _mib(n: int) -> str:
 
 def format_summary(s: dict) -> str:
     lines = [
-        f"fsdp-compose demo: {s['layers']}-layer dim-{s['dim']} Llama, {s['n_params'] / 1e6:.2f}M params, "
+        f"fsdp-compose demo: {s['layers']}-layer dim-{s['dim']} Llama, "
+        f"{s['n_params'] / 1e6:.2f}M params, "
         f"{s['world_size']} ranks ({s['backend']}, {s['device']})",
         f"loss        {s['loss_start']:.3f} -> {s['loss_end']:.3f}  "
         f"(mean of first/last {s['loss_window']} steps)",
