@@ -55,6 +55,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
 
 
 def _norm(tensors: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    # a rank may hold 0 elements of a parameter; the inf-norm of nothing is undefined
+    tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.zeros((), device=device)
     return torch.nn.utils.get_total_norm(tensors, norm_type).to(torch.float32)
