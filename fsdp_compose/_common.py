@@ -5,7 +5,10 @@ import contextlib
 import enum
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
+
+from . import _compat
 
 
 class TrainingState(enum.Enum):
@@ -36,6 +39,16 @@ def unit_error(fqn: str, what: str, fix: str = "", exc=RuntimeError) -> Exceptio
     if fix:
         msg += f" {fix}"
     return exc(msg)
+
+
+_NO_LABEL = contextlib.nullcontext()
+
+
+def label(phase: str, fqn: str):
+    """Profiler label ``fsdp_compose::<phase> (<unit fqn>)``, only while profiling."""
+    if _compat.profiler_enabled():
+        return torch.profiler.record_function(f"fsdp_compose::{phase} ({fqn})")
+    return _NO_LABEL
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def profiler_enabled() -> bool:
+    """True while a torch profiler is recording.
+
+    Why private: ``record_function`` costs tens of microseconds per call even
+    when nothing records; the hooks label their phases only while a profiler
+    is active, and torch has no public query for that.
+    """
+    return torch._C._autograd._profiler_enabled()
+
+
 def tree_leaves(tree: Any) -> list:
     """Flatten outputs (tuples, dicts, dataclasses, HF ModelOutput ...) to leaves.
 

@@ -94,6 +94,7 @@ class FlatGroup:
         self.unit_fqn = unit_fqn
         self.device = torch.device("meta") if first.is_meta else device
         self.state = ShardedState.SHARDED
+        self._views_installed = False  # the modules hold the full-shape views
 
         align = max(1, ALIGN_BYTES // first.element_size())
         entries, split_sizes, view_at = [], [], []
@@ -150,16 +151,21 @@ class FlatGroup:
         chunks = torch.split(self.flat, self._split_sizes)
         for e, i in zip(self.entries, self._view_at):
             e.unsharded = chunks[i].view(e.shape)
+        self._views_installed = False
 
     def install_sharded(self) -> None:
         for e in self.entries:
             for m, name in e.slots:
                 m._parameters[name] = e.sharded
+        self._views_installed = False
 
     def install_unsharded(self) -> None:
+        if self._views_installed:
+            return
         for e in self.entries:
             for m, name in e.slots:
                 m._parameters[name] = e.unsharded
+        self._views_installed = True
 
     @property
     def parameters(self) -> list[nn.Parameter]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat
-from ._common import TrainingState, trace, unit_error
+from ._common import TrainingState, label, trace, unit_error
 from ._streams import StreamManager
 from ._unit import Unit
 
@@ -115,6 +115,7 @@ class RootContext:
     def backward_order(self) -> list[Unit]:
         if self._order is None:
             self._order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+            self._position = {u: i for i, u in enumerate(self._order)}
         return self._order
 
     def unshard_for_backward(self, unit: Unit) -> None:
@@ -122,7 +123,7 @@ class RootContext:
         in the backward order (no wait)."""
         if unit in self._grad_follows:
             order = self.backward_order()
-            stop = order.index(unit)
+            stop = self._position[unit]
             while self._gather_next <= stop:
                 self._gather_next += 1
                 order[self._gather_next - 1].unshard()
@@ -157,7 +158,7 @@ class RootContext:
         self._in_flight = []
 
     def _final_callback(self) -> None:
-        with torch.profiler.record_function("fsdp_compose::final_callback"):
+        with label("final_callback", self.root.fqn):
             trace("final_callback", self.root.fqn)
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
                 self._issue_in_order(final=True)

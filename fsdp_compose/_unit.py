@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import ShardedState, TrainingState, trace, unit_error
+from ._common import ShardedState, TrainingState, label, trace, unit_error
 from ._flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class Unit:
             trace("pre_forward", self.fqn, self.state.name)
             self.state = TrainingState.FORWARD
             ctx.record_forward(self)
-            with torch.profiler.record_function(f"fsdp_compose::pre_forward ({self.fqn})"):
+            with label("pre_forward", self.fqn):
                 self.unshard()
                 self._refresh_views()
                 self.wait_for_unshard()
@@ -128,9 +128,14 @@ class Unit:
         if _compat.in_backward():  # see [Note: recomputation]
             return None
         self._forward_depth -= 1
-        outs = [t for t in _compat.tree_leaves(output)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs:
+        if isinstance(output, torch.Tensor):  # fast path: skip the pytree walk
+            outs = [output] if output.requires_grad else []
+        else:
+            outs = [t for t in _compat.tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(outs) == 1:  # the common case: a plain tensor hook is cheaper
+            outs[0].register_hook(self._pre_backward)
+        elif outs:
             register_multi_grad_hook(outs, self._pre_backward, mode="any")
         if self._forward_depth > 0:  # another module of this unit is still running
             return None
@@ -157,7 +162,7 @@ class Unit:
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
-        with torch.profiler.record_function(f"fsdp_compose::pre_backward ({self.fqn})"):
+        with label("pre_backward", self.fqn):
             self.ctx.unshard_for_backward(self)
             self.wait_for_unshard()
 
@@ -183,7 +188,7 @@ class Unit:
 
     def launch_reduce_scatters(self) -> list:
         trace("reduce_scatter", self.fqn, "ready" if self._ready else "zero-filled")
-        with torch.profiler.record_function(f"fsdp_compose::reduce_scatter ({self.fqn})"):
+        with label("reduce_scatter", self.fqn):
             return [g.launch_reduce_scatter(self.ctx.streams) for g in self.trainable]
 
     def finish_backward(self) -> None:

@@ -81,7 +81,9 @@ def _free_port() -> int:
 
 
 def _spawned_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    # One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (as torchrun does):
+    # a tiny model gains little from more, and busy cores make spinning threads crawl.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=args.world_size)
     try:
