@@ -1,25 +1,35 @@
 # `make test` and `make demo` work on a fresh clone: they create .venv, install
 # torch only if it is not importable (so a user's CUDA build is kept), install
-# this package, and run.
+# this package (editable, with its test/demo extras), and run.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
 
 .PHONY: venv test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-venv: $(PY)
+# Re-install when pyproject.toml changes (extras, entry points).
+$(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	@$(PY) -c "import fsdp_compose, pytest, expecttest, tqdm" 2>/dev/null || $(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
 
 test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
 	$(VENV)/bin/fsdp-compose demo
+
+# fsdp_compose vs torch FSDP2 / FSDP1 / DDP, side by side (see benchmarks/peers.py)
+bench: venv
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m benchmarks.peers
 
 clean:
 	rm -rf $(VENV) build *.egg-info

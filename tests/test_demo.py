@@ -1,0 +1,101 @@
+"""The ``make demo`` run, end to end, and its command line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_compose.cli import main
+from fsdp_compose.demo.data import BatchSampler, CharTokenizer, load_text
+from fsdp_compose.demo.model import ModelArgs, Transformer
+
+STEPS, LAYERS, DIM, SEQ = 60, 2, 64, 64
+
+
+def test_demo_trains_at_world_size_2():
+    cmd = [sys.executable, "-m", "fsdp_compose.cli", "demo", "--world-size", "2", "--no-progress",
+           "--steps", str(STEPS), "--layers", str(LAYERS), "--dim", str(DIM), "--seq-len", str(SEQ),
+           "--batch-size", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "train:" not in proc.stderr  # --no-progress: no tqdm bar
+
+    assert f"{LAYERS}-layer dim-{DIM} Llama" in out and "2 ranks (gloo, cpu)" in out, out
+    start, end = map(float, re.search(r"loss\s+([\d.]+) -> ([\d.]+)", out).groups())
+    assert end < start - 0.5, out  # measured 3.48 -> 2.70
+    tokens_per_s = re.search(r"throughput\s+([\d,]+) tokens/s", out).group(1)
+    assert float(tokens_per_s.replace(",", "")) > 0
+
+    # One row per rank: peak RSS, then bytes/calls all-gathered and reduce-scattered.
+    rows = re.findall(r"^\s*(\d+)\s+([\d,.]+) MiB\s+([\d,.]+) MiB / (\d+) calls\s+"
+                      r"([\d,.]+) MiB / (\d+) calls$", out, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1], out
+    n_params = sum(p.numel() for p in _model().parameters())
+    every_step_mib = STEPS * n_params * 4 / 2**20  # each step gathers and reduces every fp32 param
+    for _, rss, ag_mib, ag_calls, rs_mib, rs_calls in rows:
+        mib = lambda s: float(s.replace(",", ""))  # noqa: E731
+        assert mib(rss) > 50
+        assert mib(ag_mib) >= every_step_mib - 0.1 and mib(rs_mib) >= every_step_mib - 0.1, out
+        # One reduce-scatter per unit per step (one flat group each): 2 blocks + the root.
+        assert int(rs_calls) == STEPS * (LAYERS + 1), out
+        assert int(ag_calls) >= STEPS * (LAYERS + 1), out
+    assert re.search(r"^sample\s+The ", out, re.M), out
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert re.search(r"^\s+demo\s+train a small Llama", capsys.readouterr().out, re.M)
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fsdp-compose demo")
+    for opt in ["--steps", "--world-size", "--batch-size", "--seq-len", "--dim", "--layers", "--lr",
+                "--seed", "--no-progress"]:
+        assert opt in out
+
+
+def test_batch_sampler_splits_the_global_batch():
+    tokens = torch.arange(1000)
+    samplers = [BatchSampler(tokens, global_batch=6, seq_len=16, rank=r, world_size=3, seed=7)
+                for r in range(3)]
+    x = torch.cat([s.batch(5)[0] for s in samplers])  # (6, 16): the ranks' slices, in rank order
+    y = torch.cat([s.batch(5)[1] for s in samplers])
+    assert torch.equal(x[:, 0], samplers[0].global_starts(5))
+    assert torch.equal(y, x + 1)  # targets are the inputs shifted by one token
+    # A function of (seed, step) only.
+    assert torch.equal(samplers[1].batch(5)[0], samplers[1].batch(5)[0])
+    assert not torch.equal(samplers[1].batch(5)[0], samplers[1].batch(6)[0])
+    with pytest.raises(ValueError, match="not divisible"):
+        BatchSampler(tokens, global_batch=7, seq_len=16, rank=0, world_size=2, seed=0)
+
+
+def test_model_tied_and_deterministic():
+    a, b = _model(), _model()
+    assert a.output.weight is a.tok_embeddings.weight
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert "rope_cos" not in a.state_dict()  # rope tables are non-persistent buffers
+    tok = CharTokenizer(load_text())
+    x = tok.encode("The keeper climbed the tower.")[None]  # (1, s)
+    assert tok.decode(x[0]) == "The keeper climbed the tower."
+    logits = a(x)
+    assert logits.shape == (1, x.shape[1], tok.vocab_size)
+    # Causal: changing the last token leaves every earlier position's logits alone.
+    x2 = x.clone()
+    x2[0, -1] = (x2[0, -1] + 1) % tok.vocab_size
+    torch.testing.assert_close(a(x2)[:, :-1], logits[:, :-1])
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    vocab = CharTokenizer(load_text()).vocab_size
+    return Transformer(ModelArgs(vocab_size=vocab, dim=DIM, n_layers=LAYERS, n_heads=DIM // 32,
+                                 max_seq_len=SEQ))
