@@ -20,6 +20,15 @@ def queue_final_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def graph_task_id() -> int:
+    """The id of the backward pass running on this thread (-1: none).
+
+    Why private: a reentrant checkpoint runs a *nested* backward; telling it
+    from the outer one needs the engine's graph-task id.
+    """
+    return torch._C._current_graph_task_id()
+
+
 def in_backward() -> bool:
     """True while the autograd engine is executing a graph on this thread.
 

@@ -77,10 +77,12 @@ class RootContext:
         self._grad_follows: set[Unit] = set()    # ... whose outputs will see a backward
         # per backward
         self._callback_queued = False
+        self._outer_task = -1                   # graph task of the backward we finish
         self._order: list[Unit] | None = None   # the backward order, see the Note
         self._gather_next = 0                   # next index in it to all-gather
         self._next = 0                          # next index in it to reduce-scatter
         self._ready: set[Unit] = set()
+        self._launched: set[Unit] = set()
         self._in_flight: list = []
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
@@ -94,8 +96,11 @@ class RootContext:
             self._new_step = False
             self._step_order.clear()
             self._grad_follows.clear()
-            for u in self.units:  # left unsharded by a forward with no backward:
-                if u.is_unsharded and not u.pinned:  # may be stale after optimizer.step()
+            for u in self.units:
+                u.uses = 0
+                # left unsharded by a forward with no backward: may be stale
+                # after optimizer.step(), unless the user pinned it
+                if u.is_unsharded and not u.pinned:
                     u.reshard()
 
     def record_forward(self, unit: Unit) -> None:
@@ -105,12 +110,20 @@ class RootContext:
     def expect_backward(self, unit: Unit) -> None:
         self._grad_follows.add(unit)
 
+    def expects_backward(self, unit: Unit) -> bool:
+        return unit in self._grad_follows
+
     # ----------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._outer_task = _compat.graph_task_id()
             self.registry.stop_recording()
             _compat.queue_final_callback(self._final_callback)
+
+    def in_nested_backward(self) -> bool:
+        """Inside a backward that runs within ours (a reentrant checkpoint)."""
+        return _compat.graph_task_id() != self._outer_task
 
     def backward_order(self) -> list[Unit]:
         if self._order is None:
@@ -130,10 +143,12 @@ class RootContext:
         unit.unshard()
 
     def grads_ready(self, unit: Unit) -> None:
-        self._ready.add(unit)
-        if unit not in self._grad_follows:  # e.g. reentrant recomputation: issue now
+        if unit in self._launched or unit not in self._grad_follows:
+            # a second gradient for a unit already reduced (see Unit._pre_backward),
+            # or a unit outside the backward order (reentrant recomputation): now
             self._launch(unit)
             return
+        self._ready.add(unit)
         self._issue_in_order(final=False)
 
     def _issue_in_order(self, final: bool) -> None:
@@ -149,7 +164,8 @@ class RootContext:
             self._launch(unit)
 
     def _launch(self, unit: Unit) -> None:
-        self._drain()
+        self._drain()  # also folds an earlier part of this unit's gradient first
+        self._launched.add(unit)
         self._in_flight = unit.launch_reduce_scatters()
 
     def _drain(self) -> None:
@@ -175,6 +191,7 @@ class RootContext:
         self._gather_next = 0
         self._next = 0
         self._ready.clear()
+        self._launched.clear()
 
     def _abort_step(self) -> None:
         self._in_flight = []

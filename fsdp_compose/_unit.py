@@ -48,6 +48,8 @@ class Unit:
         self.ctx: RootContext | None = None
         self._forward_depth = 0   # >0 while inside any module of this unit
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
+        self.uses = 0             # forward calls this step that will see a backward
+        self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
         for g in self.trainable:
             g.flat.register_post_accumulate_grad_hook(self._make_grad_hook(g))
@@ -100,6 +102,8 @@ class Unit:
         ctx = self._ensure_ctx()
         if _compat.in_backward():  # see [Note: recomputation]
             trace("pre_forward_recompute", self.fqn, self.state.name)
+            if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
+                self._uses_seen += 1
             ctx.unshard_for_backward(self)
             self._refresh_views()
             self.wait_for_unshard()
@@ -137,6 +141,10 @@ class Unit:
             outs[0].register_hook(self._pre_backward)
         elif outs:
             register_multi_grad_hook(outs, self._pre_backward, mode="any")
+        if outs and torch.is_grad_enabled():
+            self.uses += 1
+        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
+            self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
         if self._forward_depth > 0:  # another module of this unit is still running
             return None
         trace("post_forward", self.fqn, self.state.name)
@@ -158,7 +166,18 @@ class Unit:
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, _grad) -> None:
         self.ctx.on_backward_hook()
+        self._uses_seen += 1
         if self.state is TrainingState.POST_BACKWARD:
+            # Another use after this unit's gradients were already reduced in
+            # this backward: a reentrant checkpoint inside a unit called twice
+            # (each call's gradient comes in its own nested backward). Gather
+            # again; the next post-backward reduces the rest (reduce-scatter is
+            # linear, so the two parts add up in the gradient shard).
+            trace("pre_backward_again", self.fqn, self.state.name)
+            self._ready.clear()
+            self.state = TrainingState.PRE_BACKWARD
+            self.unshard()
+            self.wait_for_unshard()
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
@@ -181,6 +200,13 @@ class Unit:
         self._ready.add(idx)
         if len(self._ready) < len(self.trainable):
             return
+        if self._uses_seen < self.uses and ctx.in_nested_backward():
+            # A reentrant checkpoint inside this unit: each use's gradient
+            # comes in its own nested backward. Uses are still to come, so
+            # this is a part: stay gathered, let flat.grad accumulate.
+            trace("partial_grad", self.fqn, self.state.name)
+            self._ready.clear()
+            return
         trace("post_backward", self.fqn, self.state.name)
         self.state = TrainingState.POST_BACKWARD
         self.reshard()
@@ -194,6 +220,7 @@ class Unit:
     def finish_backward(self) -> None:
         """Called by the root's final callback, for every unit."""
         self.pinned = False
+        self._uses_seen = 0
         self.reshard()
         self._ready.clear()
         self._forward_depth = 0
