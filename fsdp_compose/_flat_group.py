@@ -22,8 +22,9 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   whole backward is done (no reduce-scatter overlap, every unit unsharded at
   once). Made in pre-forward, it runs as soon as the unit's gradients are in.
 - *flat gradient* ``flat.grad`` (W·S): the reduce-scatter *input*, as is.
-- *gradient shard* ``grad_shard`` (S): persistent; the reduce-scatter output.
-  ``p.grad`` of each sharded parameter is the matching 1-D view of it.
+- *gradient shard* (S): the reduce-scatter output, as is. ``p.grad`` of each
+  sharded parameter is the matching 1-D view of it; only those views keep it
+  alive, so ``zero_grad()`` frees it. At world size 1 it is the flat gradient.
 
 Layout: each parameter starts at a multiple of ``ALIGN_BYTES`` (gap elements
 between parameters are padding), and the total is padded to a multiple of
@@ -31,6 +32,7 @@ between parameters are padding), and the total is padded to a multiple of
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +60,6 @@ class ParamEntry:
     shard_range: tuple[int, int]    # the same elements' place in the local shard
     sharded: nn.Parameter = None    # 1-D view of the local shard
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
-    grad_view: torch.Tensor = None  # 1-D view of the gradient shard
 
     @property
     def numel(self) -> int:
@@ -142,7 +143,8 @@ class FlatGroup:
         self.refresh_views()
         self._free_flat()
 
-        self.grad_shard: torch.Tensor | None = None
+        self._grad_shard_ref = None   # weakref: see _adopt_grad_shard
+        self._grad_view_refs = None
         self._pending: Pending | None = None
 
     # ------------------------------------------------------------------ views
@@ -213,20 +215,23 @@ class FlatGroup:
         self.state = ShardedState.SHARDED
 
     # --------------------------------------------------------------- gradients
-    def _grad_buffer(self) -> torch.Tensor:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-            for e in self.entries:
-                e.grad_view = self.grad_shard[slice(*e.shard_range)]
-        return self.grad_shard
+    # The gradient shard is held only by the p.grad views (through their
+    # ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
+    # We keep weak references, to recognise our views and accumulate into them.
+    def _adopt_grad_shard(self, buf: torch.Tensor) -> None:
+        views = [buf[slice(*e.shard_range)] for e in self.entries]
+        for e, v in zip(self.entries, views):
+            e.sharded.grad = v
+        self._grad_shard_ref = weakref.ref(buf)
+        self._grad_view_refs = [weakref.ref(v) for v in views]
 
     def _grad_mode(self) -> str:
         """fresh: no p.grad is set; accumulate: every p.grad is our view; else mixed."""
         grads = [e.sharded.grad for e in self.entries]
         if all(g is None for g in grads):
             return "fresh"
-        if self.grad_shard is not None and all(
-                g is e.grad_view for g, e in zip(grads, self.entries)):
+        refs = self._grad_view_refs
+        if refs is not None and all(g is r() for g, r in zip(grads, refs)):
             return "accumulate"
         return "mixed"
 
@@ -237,28 +242,24 @@ class FlatGroup:
         if flat_grad is None:
             flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         mode = self._grad_mode()
-        if self.world == 1:
+        if self.world == 1:  # the flat gradient is the gradient shard
             return _GradLaunch(self, Pending(None, ()), flat_grad, mode)
-        out = self._grad_buffer() if mode == "fresh" else torch.empty_like(self._grad_buffer())
+        # fresh: the output becomes the gradient shard (no copy)
+        out = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
         return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg), out, mode)
 
     def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
-        buf = self._grad_buffer()
         with torch.no_grad():
             if mode == "fresh":
-                if out is not buf:
-                    buf.copy_(out)
-                for e in self.entries:
-                    e.sharded.grad = e.grad_view
+                self._adopt_grad_shard(out)
             elif mode == "accumulate":
-                buf.add_(out)
+                self._grad_shard_ref().add_(out)
             else:  # some p.grad were set to None or replaced by the user
                 for e in self.entries:
                     piece = out[slice(*e.shard_range)]
                     g = e.sharded.grad
                     if g is None:
-                        e.grad_view.copy_(piece)
-                        e.sharded.grad = e.grad_view
+                        e.sharded.grad = piece.clone()
                     else:
                         g.add_(piece.view_as(g))
 

@@ -117,10 +117,14 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
     """
     found: dict[int, tuple] = {}
     order: list[int] = []
-
-    def visit(m: nn.Module, prefix: str, top: bool) -> None:
+    # iterative walk: a recursive closure would form a reference cycle that
+    # keeps the original (full-size) parameters alive until the next gc run
+    stack = [(m, f"{i}." if len(modules) > 1 else "", True) for i, m in enumerate(modules)]
+    stack.reverse()
+    while stack:
+        m, prefix, top = stack.pop()
         if not top and unit_of(m) is not None:
-            return  # a sub-unit owns this subtree
+            continue  # a sub-unit owns this subtree
         for name, p in m._parameters.items():
             if p is None or id(p) in ignored or p in _SHARDED:
                 continue
@@ -135,12 +139,8 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
                 found[id(p)] = (p, [], f"{prefix}{name}")
                 order.append(id(p))
             found[id(p)][1].append((m, name))
-        for cname, child in m._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{cname}.", False)
-
-    for i, m in enumerate(modules):
-        visit(m, f"{i}." if len(modules) > 1 else "", True)
+        children = [(c, f"{prefix}{n}.", False) for n, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))
     return [found[i] for i in order]
 
 

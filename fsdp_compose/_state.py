@@ -10,16 +10,20 @@ bookkeeping (reduce-scatter order, the final callback).
 Collectives on one process group must be issued in the same order on every
 rank, but which hooks fire in backward, and when, depends on each rank's
 autograd graph (a unit may get no gradient on some rank). So backward
-collectives follow one rank-independent order, the *backward order*: the
-reverse of the units' first-forward order in this step (units whose forward
-ran with a backward to follow).
-- All-gathers: when a unit needs its parameters in backward, every unit
-  before it in the backward order is gathered first (each once per backward).
-- Reduce-scatters (on a second process group over the same ranks, so the two
-  streams cannot block each other): a unit whose gradients are ready waits
-  until every trainable unit before it in the backward order was issued; the
-  root's final callback issues the rest, zero-filled where this rank produced
-  no gradient.
+collectives follow rank-independent orders derived from the forward, over the
+units whose forward ran with a backward to follow:
+- All-gathers follow the *gather order*: the reverse of the units' LAST
+  post-forward (the order their pre-backward hooks fire: the root, whose
+  forward ends last, first). When a unit needs its parameters in backward,
+  every unit before it in that order is gathered first (once per backward).
+- Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
+  pre-forward (the order their gradients complete: the root, whose first
+  parameters are used first, last). A unit whose gradients are ready waits
+  until every trainable unit before it was issued; the root's final callback
+  issues the rest, zero-filled where this rank produced no gradient. They run
+  on a second process group over the same ranks, so the two streams of
+  collectives cannot block each other.
+(One order for both gathered the whole model at the root's pre-backward.)
 Ranks never diverge, and a parameter used on only some ranks still gets the
 rank-average gradient. At most one unit's reduce-scatters are in flight at a
 time, so flat gradients are freed as backward proceeds.
@@ -74,12 +78,15 @@ class RootContext:
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
         self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
-        self._grad_follows: set[Unit] = set()    # ... whose outputs will see a backward
+        self._grad_follows: dict[Unit, None] = {}  # ... whose outputs will see a backward,
+                                                   # in last-post-forward order
         # per backward
         self._callback_queued = False
         self._outer_task = -1                   # graph task of the backward we finish
-        self._order: list[Unit] | None = None   # the backward order, see the Note
+        self._gather_order: list[Unit] | None = None  # see the Note
+        self._gather_pos: dict[Unit, int] = {}
         self._gather_next = 0                   # next index in it to all-gather
+        self._order: list[Unit] | None = None   # the reduce order, see the Note
         self._next = 0                          # next index in it to reduce-scatter
         self._ready: set[Unit] = set()
         self._launched: set[Unit] = set()
@@ -108,7 +115,8 @@ class RootContext:
         self._step_order.setdefault(unit, None)
 
     def expect_backward(self, unit: Unit) -> None:
-        self._grad_follows.add(unit)
+        self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
+        self._grad_follows[unit] = None
 
     def expects_backward(self, unit: Unit) -> bool:
         return unit in self._grad_follows
@@ -125,22 +133,28 @@ class RootContext:
         """Inside a backward that runs within ours (a reentrant checkpoint)."""
         return _compat.graph_task_id() != self._outer_task
 
-    def backward_order(self) -> list[Unit]:
+    def reduce_order(self) -> list[Unit]:
         if self._order is None:
             self._order = [u for u in reversed(self._step_order) if u in self._grad_follows]
-            self._position = {u: i for i, u in enumerate(self._order)}
         return self._order
 
     def unshard_for_backward(self, unit: Unit) -> None:
         """Issue the all-gather of ``unit`` and, first, of every unit before it
-        in the backward order (no wait)."""
+        in the gather order (no wait)."""
         if unit in self._grad_follows:
-            order = self.backward_order()
-            stop = self._position[unit]
-            while self._gather_next <= stop:
-                self._gather_next += 1
-                order[self._gather_next - 1].unshard()
+            self._gather_up_to(self._gather_positions()[unit])
         unit.unshard()
+
+    def _gather_positions(self) -> dict[Unit, int]:
+        if self._gather_order is None:
+            self._gather_order = list(reversed(self._grad_follows))
+            self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
+        return self._gather_pos
+
+    def _gather_up_to(self, stop: int) -> None:
+        while self._gather_next <= stop:
+            self._gather_next += 1
+            self._gather_order[self._gather_next - 1].unshard()
 
     def grads_ready(self, unit: Unit) -> None:
         if unit in self._launched or unit not in self._grad_follows:
@@ -152,7 +166,7 @@ class RootContext:
         self._issue_in_order(final=False)
 
     def _issue_in_order(self, final: bool) -> None:
-        order = self.backward_order()
+        order = self.reduce_order()
         while self._next < len(order):
             unit = order[self._next]
             if not unit.trainable:
@@ -176,6 +190,10 @@ class RootContext:
     def _final_callback(self) -> None:
         with label("final_callback", self.root.fqn):
             trace("final_callback", self.root.fqn)
+            # All-gathers this rank's graph never asked for (a unit whose
+            # backward did not reach it here) may be awaited by another rank:
+            # finish the gather order first, then the reduce order.
+            self._gather_up_to(len(self._gather_positions()) - 1)
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
                 self._issue_in_order(final=True)
             self._drain()
@@ -188,6 +206,7 @@ class RootContext:
         self._callback_queued = False
         self.accumulated = False
         self._order = None
+        self._gather_order = None
         self._gather_next = 0
         self._next = 0
         self._ready.clear()

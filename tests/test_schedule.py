@@ -52,7 +52,9 @@ def _unused_on_rank1(rank, world):
     with record_schedule() as ev:
         m(x, use_branch=(rank == 0)).sum().backward()
     grads_set = all(p.grad is not None for p in m.layers[1].parameters())
-    return _fmt(e for e in ev if e[0] in ("reduce_scatter", "final_callback")), grads_set
+    start = next(i for i, e in enumerate(ev) if e[0] == "pre_backward")
+    return _fmt(e for e in ev[start:] if e[0] in ("all_gather", "reduce_scatter",
+                                                   "final_callback")), grads_set
 
 
 class TestSchedule(expecttest.TestCase):
@@ -72,13 +74,13 @@ post_forward layers.1 FORWARD
 reshard layers.1 FORWARD
 post_forward FORWARD
 pre_backward IDLE
-all_gather layers.1 IDLE
-all_gather layers.0 IDLE
 pre_backward layers.1 IDLE
+all_gather layers.1 PRE_BACKWARD
 post_backward layers.1 PRE_BACKWARD
 reshard layers.1 POST_BACKWARD
 reduce_scatter layers.1 ready
 pre_backward layers.0 IDLE
+all_gather layers.0 PRE_BACKWARD
 post_backward layers.0 PRE_BACKWARD
 reshard layers.0 POST_BACKWARD
 reduce_scatter layers.0 ready
@@ -89,19 +91,27 @@ final_callback""")
 
     def test_unit_without_gradient_on_one_rank(self):
         (r0, set0), (r1, set1) = run_distributed(_unused_on_rank1, 2)
-        units = [[line.split()[1] for line in r.splitlines() if line.startswith("reduce_scatter")]
-                 for r in (r0, r1)]
-        self.assertEqual(units[0], units[1])  # one order on every rank
-        # rank 1 produced no gradient for layers.1: it reduce-scatters zeros,
-        # in the same position as rank 0 does, from the final callback.
+        for kind in ("all_gather", "reduce_scatter"):  # one order per kind on every rank
+            units = [[line.split()[1] for line in r.splitlines() if line.startswith(kind)]
+                     for r in (r0, r1)]
+            self.assertEqual(units[0], units[1], kind)
+        # rank 1's backward never reaches layers.1: it all-gathers it (rank 0
+        # needs that collective) and reduce-scatters zeros for it from the final
+        # callback, in the same positions of the two orders as rank 0 does.
         self.assertExpectedInline(r0, """\
+all_gather layers.2 PRE_BACKWARD
 reduce_scatter layers.2 ready
+all_gather layers.1 PRE_BACKWARD
 reduce_scatter layers.1 ready
+all_gather layers.0 PRE_BACKWARD
 reduce_scatter layers.0 ready
 reduce_scatter ready
 final_callback""")
         self.assertExpectedInline(r1, """\
+all_gather layers.2 PRE_BACKWARD
 reduce_scatter layers.2 ready
+all_gather layers.1 IDLE
+all_gather layers.0 PRE_BACKWARD
 final_callback
 reduce_scatter layers.1 zero-filled
 reduce_scatter layers.0 ready
