@@ -1,0 +1,788 @@
+"""fsdp_compose against its peers, on the same model and data in one invocation.
+
+    python -m benchmarks.peers                       # both shapes, 2 gloo CPU ranks
+    python -m benchmarks.peers --shape memory --repeats 5
+    python -m benchmarks.peers --world-size 1        # adds "local" (plain PyTorch)
+    python -m benchmarks.peers --profile fsdp_compose --shape overhead
+    torchrun --nproc-per-node 8 -m benchmarks.peers --impls fsdp_compose   # NCCL, one impl per run
+
+Implementations (``--impls``):
+  fsdp_compose  ``fsdp_compose.fully_shard`` on each block, then the root
+  fsdp2         ``torch.distributed.fsdp.fully_shard``, same wrapping
+  fsdp1         ``torch.distributed.fsdp.FullyShardedDataParallel``, one FSDP
+                unit per block (``ModuleWrapPolicy``) + root, ``use_orig_params=True``
+  ddp           ``torch.nn.parallel.DistributedDataParallel``
+  local         plain PyTorch in one process (``--world-size 1`` only)
+
+Method. Every (implementation, repeat) is its own fresh set of rank processes
+(gloo, rendezvous on a free port, one intra-op thread per rank: two ranks on
+two cores; more threads oversubscribe and slow DDP's compute down). Ranks are
+forked from a fork server that has imported torch, the implementations and the
+benchmark models and nothing else, so they start in a fraction of a second
+from the same ~200 MiB baseline RSS; a rank's peak RSS
+(``getrusage(RUSAGE_SELF).ru_maxrss``) is then that implementation's peak,
+and the table also shows it minus the RSS the rank had before building the
+model. Launches alternate implementations (A B C D A B C D ...). Every launch
+builds the model from the same seed and feeds every rank the same per-rank
+batches; AdamW(lr=1e-3) built after wrapping; a step is forward + MSE loss +
+backward + ``optim.step()`` + ``zero_grad()``. Warmup steps are run but not
+timed. Reported per implementation: the median over repeats of (median over
+timed steps of the slowest rank's step time); process CPU time per step (all
+threads: less sensitive than wall time to a busy machine); peak RSS per rank
+(max over ranks, median over repeats); the final loss (mean over ranks); and
+the largest relative per-step loss difference against DDP. This orchestrating
+process never imports torch (matplotlib only at the end, for the plot).
+
+Defaults (both shapes, 4 implementations, 3 repeats) take ~5-7 minutes on a
+2-core machine: overhead 3 warmup + 15 timed steps, memory 1 + 3 (its steps
+take seconds each on gloo: ~1.5 GiB of collectives per step per rank).
+
+Under torchrun (RANK/WORLD_SIZE set) the processes are torchrun's: NCCL when
+CUDA is there (peak = ``torch.cuda.max_memory_allocated``), one implementation
+per run, repeats in-process. Rank 0 writes ``peers_torchrun_<impl>.json`` and
+prints a table of every such file in ``--out`` with the same settings. (On CPU
+under torchrun, RSS peaks are per process lifetime: repeats after the first
+include the earlier ones. The CUDA path has not been run on a GPU yet.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+from benchmarks.shapes import SHAPES, Shape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "out")
+
+IMPLS = ["fsdp_compose", "fsdp2", "fsdp1", "ddp", "local"]
+LABEL = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1",
+         "ddp": "DDP", "local": "local"}
+OURS = "fsdp_compose"
+PARITY_REF = "ddp"
+PARITY_RTOL = 1e-4     # fsdp_compose vs DDP, per step, relative
+LR = 1e-3
+
+
+# =============================================================================
+# Rank side (imports torch)
+# =============================================================================
+def _rss_now_mib() -> dict:
+    import resource
+    out = {"ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM:", "VmRSS:")):
+                    k, v = line.split(":")
+                    out[k + "_mib"] = int(v.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def _wrap(impl: str, model, world: int, device):
+    """Apply ``impl`` to ``model`` (an MLPStack); return the module to train."""
+    import torch
+    from benchmarks.models import MLPBlock
+
+    if impl == "local":
+        return model
+    if impl in ("fsdp_compose", "fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        if impl == "fsdp_compose":
+            from fsdp_compose import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({MLPBlock}), use_orig_params=True,
+                    device_id=device)  # CPU: torch.device("cpu") (None raises on CPU)
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    raise ValueError(impl)
+
+
+def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
+    """One launch of one implementation on this rank; returns this rank's numbers."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from benchmarks.models import build_model, make_data
+
+    impl, shape = cfg["impl"], Shape(**cfg["shape"])
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    distributed = impl != "local"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    mem_start = _rss_now_mib()
+    t_setup = time.time()
+
+    model = build_model(shape, cfg["seed"], device)
+    model = _wrap(impl, model, world, device)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    warmup, steps = cfg["warmup"], cfg["steps"]
+    profile_steps = cfg.get("profile_steps", 0)
+    n_total = warmup + steps + profile_steps
+    data = make_data(shape, cfg["seed"], rank, n_total, device)
+    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                      for p in model.parameters())  # FSDP2: DTensor -> local shard
+    mem_setup = _rss_now_mib()
+    t_setup_done = time.time()
+
+    comm = None
+    if impl == "fsdp_compose":
+        import fsdp_compose
+        comm = fsdp_compose
+
+    def step(x, y):
+        c0 = time.process_time()  # CPU time of all this process's threads (gloo's too)
+        t0 = time.perf_counter()
+        loss = F.mse_loss(model(x), y)
+        if not cuda:
+            t1 = time.perf_counter()
+        loss.backward()
+        if not cuda:
+            t2 = time.perf_counter()
+        optim.step()
+        optim.zero_grad()
+        sync()
+        t3 = time.perf_counter()
+        phases = None if cuda else (t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0)
+        return loss.detach(), t3 - t0, phases
+
+    losses, times, phases = [], [], []
+    for i in range(warmup):
+        loss, _, _ = step(*data[i])
+        losses.append(loss)
+    sync()
+    if distributed:
+        dist.barrier()
+    if comm is not None:
+        comm.reset_comm_stats()
+    t_start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        loss, dt, ph = step(*data[i])
+        losses.append(loss)
+        times.append(dt)
+        phases.append(ph)
+    sync()
+    t_total = time.perf_counter() - t_start
+    stats = None
+    if comm is not None:
+        s = comm.comm_stats()
+        stats = {k: v / max(steps, 1) for k, v in vars(s).items()}  # per step
+
+    trace_path, prof_summary = None, None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if distributed:
+            dist.barrier()
+        with profile(activities=acts, record_shapes=False) as prof:
+            for i in range(warmup + steps, n_total):
+                loss, _, _ = step(*data[i])
+                losses.append(loss)
+        trace_path = os.path.join(cfg["out"], f"trace_{shape.name}_{impl}_w{world}_rank{rank}.json")
+        prof.export_chrome_trace(trace_path)
+        prof_summary = _summarise_profile(prof, profile_steps)
+
+    if distributed:
+        dist.barrier()
+    mem_end = _rss_now_mib()
+    res = {
+        "impl": impl, "rank": rank, "world": world, "device": str(device),
+        "losses": [float(v) for v in losses],
+        "step_s": times, "phase_s": phases, "total_s": t_total,
+        "local_param_numel": local_numel,
+        "peak_mib": (torch.cuda.max_memory_allocated(device) / 2**20 if cuda
+                     else mem_end["ru_maxrss_mib"]),
+        "mem_start": mem_start, "mem_setup": mem_setup, "mem_end": mem_end,
+        "comm_per_step": stats, "trace": trace_path, "profile": prof_summary,
+        "torch": torch.__version__,
+        "t_setup": t_setup, "t_setup_done": t_setup_done, "t_end": time.time(),
+    }
+    del optim, model, data
+    return res
+
+
+def _summarise_profile(prof, n_steps: int) -> list:
+    """Profiler events grouped by label (``fsdp_compose::phase (fqn)`` -> phase)."""
+    groups: dict[str, dict] = {}
+    for e in prof.key_averages():
+        name = e.key.split(" (")[0]
+        g = groups.setdefault(name, {"name": name, "count": 0, "cpu_total_ms": 0.0,
+                                     "self_cpu_ms": 0.0})
+        g["count"] += e.count
+        g["cpu_total_ms"] += e.cpu_time_total / 1e3
+        g["self_cpu_ms"] += e.self_cpu_time_total / 1e3
+    rows = sorted(groups.values(), key=lambda g: -g["cpu_total_ms"])
+    for g in rows:
+        g["count"] /= n_steps
+        g["cpu_total_ms"] /= n_steps
+        g["self_cpu_ms"] /= n_steps
+    return rows
+
+
+def _worker_entry(cfg_path: str) -> None:
+    """A rank spawned by this script (env: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    t_enter = time.time()
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg["pg_timeout"] > 10:  # a hang shows where each rank was, before the kill
+        import faulthandler
+        faulthandler.dump_traceback_later(cfg["pg_timeout"] - 5, exit=False)
+    import torch
+    torch.set_num_threads(cfg["threads"])
+    import torch.distributed as dist
+    from datetime import timedelta
+    if cfg["impl"] != "local":
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=cfg["pg_timeout"]))
+    try:
+        res = run_impl(cfg, rank, world, torch.device("cpu"))
+        res["t_enter"] = t_enter
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tmp = os.path.join(cfg["tmpdir"], f"result{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
+
+
+# =============================================================================
+# Orchestrator side (no torch)
+# =============================================================================
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_CTX = None
+# Imported once by the fork server; every rank is forked from it (fast start,
+# and the same ~torch-import RSS baseline for every implementation).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.nn.parallel",
+            "torch.profiler", "fsdp_compose", "benchmarks.models"]
+
+
+def _context():
+    """A forkserver context whose server has torch (and every implementation) imported."""
+    global _CTX
+    if _CTX is None:
+        import multiprocessing as mp
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # before the server imports torch
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _rank_main(rank: int, world: int, port: int, cfg_path: str, log_path: str) -> None:
+    """Entry of a forked rank: redirect output, set the rendezvous env, run."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        _worker_entry(cfg_path)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _launch_once(cfg: dict, world: int, timeout: float) -> list[dict]:
+    from benchmarks import peers as this  # picklable by module name, not __main__
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="peers_") as tmp:
+        cfg = dict(cfg, tmpdir=tmp)
+        cfg_path = os.path.join(tmp, "cfg.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        port = free_port()
+        logs = [os.path.join(tmp, f"out{r}.txt") for r in range(world)]
+        procs = [ctx.Process(target=this._rank_main, args=(r, world, port, cfg_path, logs[r]),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+            timed_out = time.monotonic() > deadline
+            if timed_out or (failed_at and time.monotonic() - failed_at > 10):
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                for p in procs:
+                    p.join()
+                break
+            time.sleep(0.05)
+        codes = [p.exitcode for p in procs]
+        if any(c != 0 for c in codes):
+            why = "timed out" if timed_out else "failed"
+            bad = next((r for r, c in enumerate(codes) if c not in (0, -9, None)), 0)
+            with open(logs[bad], errors="replace") as f:
+                tail = f.read()[-4000:]
+            raise LaunchError(f"{cfg['impl']} ({cfg['shape']['name']}, world {world}) {why}: "
+                              f"exit codes {codes}; rank {bad} output:\n{tail}")
+        out = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"result{r}.json")) as f:
+                out.append(json.load(f))
+        return out
+
+
+def launch(cfg: dict, world: int, timeout: float) -> list[dict]:
+    """Run one implementation in ``world`` fresh processes; retry once on a port race."""
+    try:
+        return _launch_once(cfg, world, timeout)
+    except LaunchError as e:
+        if "ddress already in use" not in str(e) and "EADDRINUSE" not in str(e):
+            raise
+        return _launch_once(cfg, world, timeout)
+
+
+def _shape_dict(shape: Shape) -> dict:
+    return {k: getattr(shape, k) for k in shape.__dataclass_fields__}
+
+
+# ---------------------------------------------------------------- reduction
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarise_launch(ranks: list[dict]) -> dict:
+    """One launch (all ranks) -> the numbers the table uses."""
+    n = len(ranks[0]["step_s"])
+    slowest = [max(r["step_s"][i] for r in ranks) for i in range(n)]
+    phases = None
+    if ranks[0]["phase_s"] and ranks[0]["phase_s"][0] is not None:
+        phases = [_median([max(r["phase_s"][i][k] for r in ranks) for i in range(n)]) * 1e3
+                  for k in range(4)]
+    n_loss = len(ranks[0]["losses"])
+    return {
+        "step_ms": _median(slowest) * 1e3,
+        "mean_step_ms": max(r["total_s"] for r in ranks) / max(n, 1) * 1e3,
+        "phase_ms": phases,  # forward, backward, optimizer, CPU time (medians over steps)
+        "peak_mib": max(r["peak_mib"] for r in ranks),
+        "peak_mib_per_rank": [r["peak_mib"] for r in ranks],
+        "setup_mib": max(r["mem_setup"]["ru_maxrss_mib"] for r in ranks),
+        "start_mib": max(r["mem_start"]["ru_maxrss_mib"] for r in ranks),
+        "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(n_loss)],
+        "local_param_numel": [r["local_param_numel"] for r in ranks],
+        "comm_per_step": ranks[0]["comm_per_step"],
+    }
+
+
+def summarise_impl(launches: list[dict]) -> dict:
+    steps = [L["step_ms"] for L in launches]
+    peaks = [L["peak_mib"] for L in launches]
+    phases = None
+    if launches[0]["phase_ms"] is not None:
+        phases = [_median([L["phase_ms"][k] for L in launches]) for k in range(4)]
+    losses = launches[0]["losses"]
+    deterministic = all(L["losses"] == losses for L in launches)
+    return {
+        "step_ms": _median(steps), "step_ms_min": min(steps), "step_ms_max": max(steps),
+        "step_ms_repeats": steps,
+        "peak_mib": _median(peaks), "peak_mib_min": min(peaks), "peak_mib_max": max(peaks),
+        "peak_mib_repeats": peaks,
+        "setup_mib": _median([L["setup_mib"] for L in launches]),
+        "start_mib": _median([L["start_mib"] for L in launches]),
+        "phase_ms": phases, "losses": losses, "final_loss": losses[-1],
+        "repeats_identical_losses": deterministic,
+        "local_param_numel": launches[0]["local_param_numel"],
+        "comm_per_step": launches[0]["comm_per_step"],
+    }
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=float("nan"))
+
+
+def shape_report(shape: Shape, summary: dict, meta: dict) -> tuple[str, dict]:
+    """The printed table for one shape, and its parity verdict."""
+    impls = [i for i in IMPLS if i in summary]
+    ours = summary.get(OURS)
+    ref = summary.get(PARITY_REF) or summary.get("local")
+    ref_name = PARITY_REF if PARITY_REF in summary else "local"
+    lines = [
+        f"== shape '{shape.name}': {shape.what}",
+        f"   {shape.numel / 1e6:.2f}M params, batch {shape.batch} x {shape.dim} per rank, "
+        f"{meta['world']} rank(s) {meta['backend']}, {meta['threads']} thread(s)/rank, "
+        f"{meta['warmup']} warmup + {meta['steps']} timed steps x {meta['repeats']} repeat(s), "
+        f"AdamW",
+    ]
+    mem_name = "peak MiB" + (" RSS" if meta["backend"] == "gloo" else " cuda")
+    head = (f"   {'impl':<13} {'step ms':>9} {'[min..max]':>17} {'fwd/bwd/opt ms':>20} "
+            f"{'CPU ms':>8} {mem_name:>13} {'(+MiB)':>7} {'final loss':>11} {'ours/x time':>11} "
+            f"{'ours/x CPU':>10} {'ours/x mem':>10} {'dloss vs ' + LABEL[ref_name]:>13}")
+    lines += [head, "   " + "-" * (len(head) - 3)]
+    for i in impls:
+        s = summary[i]
+        ph = "/".join(f"{v:.1f}" for v in s["phase_ms"][:3]) if s["phase_ms"] else "-"
+        cpu = f"{s['phase_ms'][3]:.1f}" if s["phase_ms"] else "-"
+        rt = f"{ours['step_ms'] / s['step_ms']:.2f}" if ours else "-"
+        rc = (f"{ours['phase_ms'][3] / s['phase_ms'][3]:.2f}"
+              if ours and ours["phase_ms"] and s["phase_ms"] else "-")
+        rm = f"{ours['peak_mib'] / s['peak_mib']:.2f}" if ours else "-"
+        dl = f"{max_rel_diff(s['losses'], ref['losses']):.1e}" if ref else "-"
+        rng = f"[{s['step_ms_min']:.1f}..{s['step_ms_max']:.1f}]"
+        lines.append(f"   {LABEL[i]:<13} {s['step_ms']:>9.2f} {rng:>17} {ph:>20} {cpu:>8} "
+                     f"{s['peak_mib']:>13.0f} {s['peak_mib'] - s['start_mib']:>+7.0f} "
+                     f"{s['final_loss']:>11.6f} {rt:>11} {rc:>10} "
+                     f"{rm:>10} {dl:>13}")
+    lines.append("   step ms: median over repeats of the median timed step (slowest rank); "
+                 "CPU ms: process CPU time per step (all threads), max over ranks; "
+                 "peak: max over ranks, median over repeats;\n"
+                 "   (+MiB): peak minus the rank's RSS before the model was built (torch "
+                 "imported, process group up)")
+    if ours:
+        ratios = [f"ours/{LABEL[i]} time {ours['step_ms'] / summary[i]['step_ms']:.2f}, "
+                  f"mem {ours['peak_mib'] / summary[i]['peak_mib']:.2f}"
+                  for i in impls if i != OURS]
+        if ratios:
+            lines.append("   ratios (<1: fsdp_compose faster / smaller): " + "; ".join(ratios))
+        c = ours.get("comm_per_step")
+        if c:
+            lines.append(
+                f"   fsdp_compose collectives/step: {c['all_gather_calls']:.0f} all-gather "
+                f"({c['all_gather_bytes'] / 2**20:.1f} MiB), {c['reduce_scatter_calls']:.0f} "
+                f"reduce-scatter ({c['reduce_scatter_bytes'] / 2**20:.1f} MiB), "
+                f"{c['all_reduce_calls']:.0f} all-reduce")
+    parity = {"ref": ref_name, "rtol": PARITY_RTOL}
+    if ours and ref and ref_name != OURS:
+        d = max_rel_diff(ours["losses"], ref["losses"])
+        parity.update(max_rel_diff=d, ok=bool(d <= PARITY_RTOL), steps=len(ours["losses"]))
+        lines.append(f"   loss parity fsdp_compose vs {LABEL[ref_name]}: max rel diff over "
+                     f"{len(ours['losses'])} steps = {d:.2e} -> "
+                     f"{'OK' if d <= PARITY_RTOL else 'MISMATCH'} (tol {PARITY_RTOL:g})")
+    nondet = [LABEL[i] for i in impls if not summary[i]["repeats_identical_losses"]]
+    if nondet:
+        lines.append(f"   note: losses differ between repeats for {', '.join(nondet)}")
+    return "\n".join(lines), parity
+
+
+def plot(results: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = list(results["shapes"])
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 3.6 * len(shapes)), squeeze=False)
+    colors = {"fsdp_compose": "#d62728", "fsdp2": "#1f77b4", "fsdp1": "#9467bd",
+              "ddp": "#7f7f7f", "local": "#2ca02c"}
+    for row, name in enumerate(shapes):
+        summ = results["shapes"][name]["impls"]
+        impls = [i for i in IMPLS if i in summ]
+        ours = summ.get(OURS)
+        for col, (key, unit) in enumerate([("step_ms", "median step time (ms)"),
+                                           ("peak_mib", "peak memory per rank (MiB)")]):
+            ax = axes[row][col]
+            vals = [summ[i][key] for i in impls]
+            lo = [summ[i][key] - summ[i][key + "_min"] for i in impls]
+            hi = [summ[i][key + "_max"] - summ[i][key] for i in impls]
+            names = [LABEL[i] for i in impls]
+            bars = ax.bar(names, vals, yerr=[lo, hi], capsize=3,
+                          color=[colors[i] for i in impls])
+            if key == "peak_mib":  # what each rank held before the model existed
+                ax.bar(names, [summ[i]["start_mib"] for i in impls], color="white", alpha=0.45,
+                       hatch="//", edgecolor="black", linewidth=0,
+                       label="RSS before the model (torch + process group)")
+                ax.legend(fontsize=7, loc="lower right")
+            for b, i, h in zip(bars, impls, hi):
+                txt = f"{summ[i][key]:.1f}" if key == "step_ms" else f"{summ[i][key]:.0f}"
+                if ours and i != OURS:
+                    txt += f"\nours/x {ours[key] / summ[i][key]:.2f}"
+                ax.annotate(txt, (b.get_x() + b.get_width() / 2, b.get_height() + h),
+                            ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                            textcoords="offset points")
+            ax.set_ylabel(unit)
+            ax.set_title(f"{name}: {unit.split(' (')[0]}", fontsize=10)
+            ax.margins(y=0.25)
+    m = results["meta"]
+    fig.suptitle(f"fsdp_compose vs peers - {m['world']} rank(s) {m['backend']}, "
+                 f"torch {m['torch']}, {m['repeats']} repeat(s) (bars: median, whiskers: min..max)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+        if not sys.stderr.isatty():
+            return None, False
+        return tqdm(total=total, unit="launch", dynamic_ncols=True, leave=False), True
+    except ImportError:
+        return None, False
+
+
+def orchestrate(args) -> int:
+    t_begin = time.monotonic()
+    world = args.world_size
+    impls = args.impls or [i for i in IMPLS if i != "local" or world == 1]
+    if "local" in impls and world != 1:
+        sys.exit("peers: 'local' (plain PyTorch, one process) needs --world-size 1")
+    shapes = [SHAPES[s] for s in args.shape]
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"world": world, "backend": "gloo", "threads": args.threads, "repeats": args.repeats,
+            "torch": None, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "seed": args.seed, "lr": LR, "impls": impls}
+    results = {"meta": meta, "shapes": {}}
+
+    if args.profile:
+        if args.profile == "local" and world != 1:
+            sys.exit("peers: --profile local needs --world-size 1")
+        return profile_only(args, shapes, world)
+
+    n_launch = len(shapes) * args.repeats * len(impls)
+    bar, have_bar = _progress(n_launch)
+    log = bar.write if have_bar else print
+    reports, all_ok = [], True
+    for shape in shapes:
+        steps = args.steps if args.steps is not None else shape.steps
+        warmup = args.warmup if args.warmup is not None else shape.warmup
+        raw: dict[str, list] = {i: [] for i in impls}
+        for rep in range(args.repeats):
+            for impl in impls:  # alternate: A B C D A B C D ...
+                cfg = {"impl": impl, "shape": _shape_dict(shape),
+                       "seed": args.seed, "steps": steps, "warmup": warmup,
+                       "threads": args.threads, "pg_timeout": args.timeout, "out": args.out}
+                t0, t0_wall = time.monotonic(), time.time()
+                ranks = launch(cfg, world, args.timeout)
+                meta["torch"] = meta["torch"] or ranks[0]["torch"]
+                L = summarise_launch(ranks)
+                startup = max(r["t_setup"] for r in ranks) - t0_wall
+                setup = max(r["t_setup_done"] - r["t_setup"] for r in ranks)
+                raw[impl].append({"summary": L, "ranks": ranks})
+                log(f"[{shape.name} {rep + 1}/{args.repeats}] {LABEL[impl]:<13} "
+                    f"{L['step_ms']:9.2f} ms/step  peak {L['peak_mib']:7.0f} MiB/rank  "
+                    f"final loss {L['losses'][-1]:.6f}  ({time.monotonic() - t0:.1f} s: start "
+                    f"{startup:.1f}, model+wrap {setup:.1f})")
+                if have_bar:
+                    bar.update(1)
+        summary = {i: summarise_impl([x["summary"] for x in raw[i]]) for i in impls}
+        m = dict(meta, steps=steps, warmup=warmup)
+        text, parity = shape_report(shape, summary, m)
+        reports.append(text)
+        all_ok &= parity.get("ok", True)
+        results["shapes"][shape.name] = {
+            "shape": _shape_dict(shape),
+            "numel": shape.numel, "steps": steps, "warmup": warmup,
+            "impls": summary, "parity": parity,
+            "launches": {i: [x["ranks"] for x in raw[i]] for i in impls},
+        }
+    if have_bar:
+        bar.close()
+    meta["runtime_s"] = time.monotonic() - t_begin
+    print()
+    print("\n\n".join(reports))
+    json_path = os.path.join(args.out, "peers.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+    png = plot(results, os.path.join(args.out, "peers.png"))
+    print(f"\nwrote {json_path}" + (f" and {png}" if png else
+                                    " (no plot: pip install matplotlib, or .[bench])"))
+    print(f"total runtime {meta['runtime_s']:.0f} s")
+    if not all_ok:
+        print("LOSS PARITY FAILED (fsdp_compose vs DDP), see above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_profile(rows: list, step_ms: float | None, top: int = 25) -> None:
+    print(f"   {'label / op':<58} {'calls/step':>10} {'cpu ms/step':>12} {'self ms/step':>12}")
+    for g in rows[:top]:
+        print(f"   {g['name'][:58]:<58} {g['count']:>10.1f} {g['cpu_total_ms']:>12.2f} "
+              f"{g['self_cpu_ms']:>12.2f}")
+
+
+def profile_only(args, shapes: list, world: int) -> int:
+    impl = args.profile
+    for shape in shapes:
+        warmup = args.warmup if args.warmup is not None else shape.warmup
+        cfg = {"impl": impl, "shape": _shape_dict(shape),
+               "seed": args.seed, "steps": args.steps if args.steps is not None else 3,
+               "warmup": warmup, "profile_steps": args.profile_steps, "threads": args.threads,
+               "pg_timeout": args.timeout, "out": args.out}
+        ranks = launch(cfg, world, args.timeout)
+        L = summarise_launch(ranks)
+        print(f"== profile {LABEL[impl]} on '{shape.name}' ({world} rank(s)); unprofiled "
+              f"step {L['step_ms']:.2f} ms; {args.profile_steps} profiled steps")
+        print(f"   traces: {', '.join(r['trace'] for r in ranks)}")
+        print("   rank 0, grouped by label (the unit FQN in '(...)' dropped), per step:")
+        print_profile(ranks[0]["profile"], L["step_ms"])
+        print()
+    return 0
+
+
+# ---------------------------------------------------------------- torchrun
+def torchrun_main(args) -> int:
+    import torch
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if args.profile:
+        args.impls = [args.profile]
+    if args.impls is None or len(args.impls) != 1:
+        sys.exit("peers under torchrun: pass exactly one implementation, e.g. --impls fsdp_compose "
+                 "(each implementation needs its own processes for a clean peak memory)")
+    impl = args.impls[0]
+    if impl == "local":
+        sys.exit("peers under torchrun: 'local' is single-process; run it without torchrun")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(args.threads)
+        dist.init_process_group("gloo")
+    backend = dist.get_backend()
+    os.makedirs(args.out, exist_ok=True)
+    mine = {"meta": {"world": world, "backend": backend, "threads": args.threads,
+                     "repeats": args.repeats, "torch": torch.__version__,
+                     "python": platform.python_version(), "seed": args.seed, "lr": LR,
+                     "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                     else platform.processor()},
+            "impl": impl, "shapes": {}}
+    for shape in (SHAPES[s] for s in args.shape):
+        steps = args.steps if args.steps is not None else shape.steps
+        warmup = args.warmup if args.warmup is not None else shape.warmup
+        cfg = {"impl": impl, "shape": _shape_dict(shape), "seed": args.seed, "steps": steps,
+               "warmup": warmup, "out": args.out,
+               "profile_steps": args.profile_steps if args.profile else 0}
+        launches = []
+        for _ in range(args.repeats):
+            res = run_impl(cfg, rank, world, device)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, res)
+            launches.append(gathered)
+            if args.profile and rank == 0:
+                print(f"== profile {LABEL[impl]} on '{shape.name}': traces "
+                      f"{', '.join(r['trace'] for r in gathered)}")
+                print_profile(res["profile"], None)
+                break
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        mine["shapes"][shape.name] = {"steps": steps, "warmup": warmup, "launches": launches}
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    path = os.path.join(args.out, f"peers_torchrun_{impl}.json")
+    with open(path, "w") as f:
+        json.dump(mine, f)
+    print(f"wrote {path}")
+    # A table of every torchrun result in --out with the same settings.
+    results = {"meta": dict(mine["meta"], impls=[]), "shapes": {}}
+    reports = []
+    for shape in (SHAPES[s] for s in args.shape):
+        summary = {}
+        for other in IMPLS:
+            p = os.path.join(args.out, f"peers_torchrun_{other}.json")
+            if not os.path.exists(p):
+                continue
+            with open(p) as f:
+                d = json.load(f)
+            s = d["shapes"].get(shape.name)
+            same = (d["meta"]["world"] == world and d["meta"]["backend"] == backend
+                    and s and s["steps"] == mine["shapes"][shape.name]["steps"]
+                    and s["warmup"] == mine["shapes"][shape.name]["warmup"])
+            if same:
+                summary[other] = summarise_impl([summarise_launch(L) for L in s["launches"]])
+        m = dict(mine["meta"], **{k: mine["shapes"][shape.name][k] for k in ("steps", "warmup")},
+                 repeats=args.repeats)
+        text, parity = shape_report(shape, summary, m)
+        reports.append(text)
+        results["meta"]["impls"] = sorted(set(results["meta"]["impls"]) | set(summary))
+        results["shapes"][shape.name] = {"impls": summary, "parity": parity}
+    print("\n\n".join(reports))
+    with open(os.path.join(args.out, "peers_torchrun.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "peers_torchrun.png"))
+    return 0
+
+
+# ---------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                   help="which model shapes")
+    p.add_argument("--world-size", type=int, default=2, help="gloo CPU ranks to spawn")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per launch (default per shape: "
+                        + ", ".join(f"{s.name} {s.steps}" for s in SHAPES.values()) + ")")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per launch (default per shape: "
+                        + ", ".join(f"{s.name} {s.warmup}" for s in SHAPES.values()) + ")")
+    p.add_argument("--repeats", type=int, default=3, help="launches per implementation")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=None,
+                   help="subset of implementations (default: all but 'local'; "
+                        "'local' is added at --world-size 1)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="output folder (json, png, traces)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--seed", type=int, default=0, help="model init and data")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    p.add_argument("--profile", choices=IMPLS, default=None, metavar="IMPL",
+                   help="instead of benchmarking: write a torch.profiler chrome trace of "
+                        "--profile-steps steps of IMPL (after warmup) to --out, per rank")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps in the trace")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args._worker:
+        _worker_entry(args._worker)
+        return 0
+    if min(args.world_size, args.repeats, args.threads) < 1 or \
+            (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+        sys.exit("peers: --world-size, --repeats, --threads, --steps must be >= 1, --warmup >= 0")
+    args.out = os.path.abspath(args.out)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_main(args)
+    try:
+        return orchestrate(args)
+    except LaunchError as e:
+        print(f"\npeers: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""Benchmark shapes: plain data, no torch import (the orchestrator reads them)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    dim: int
+    hidden: int
+    blocks: int
+    batch: int      # rows per rank per step
+    act: str        # "relu" | "gelu"
+    steps: int      # timed steps per launch (default; --steps overrides)
+    warmup: int     # untimed steps per launch (default; --warmup overrides)
+    what: str
+
+    @property
+    def numel(self) -> int:
+        per_block = 2 * self.dim * self.hidden + self.hidden + self.dim
+        return self.blocks * per_block + 2 * self.dim  # + the root LayerNorm
+
+
+SHAPES = {
+    # Overhead-bound: 64 tiny residual MLP blocks, each its own FSDP unit, so the
+    # step is dominated by per-unit hooks, collectives and optimizer calls.
+    "overhead": Shape("overhead", dim=64, hidden=64, blocks=64, batch=16, act="relu",
+                      steps=15, warmup=3,
+                      what="64 x [Linear(64,64)+ReLU+Linear(64,64), residual] + LayerNorm"),
+    # Memory-bound: ~134M parameters in 8 large blocks (537 MB fp32), small batch,
+    # so parameters, gradients, AdamW state and communicated bytes dominate.
+    "memory": Shape("memory", dim=2048, hidden=4096, blocks=8, batch=8, act="gelu",
+                    steps=3, warmup=1,
+                    what="8 x [Linear(2048,4096)+GELU+Linear(4096,2048), residual] + LayerNorm"),
+}
