@@ -64,6 +64,46 @@ class FSDPModule:
                 u.reshard_after_forward = bool(reshard_after_forward)
 
 
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these sharded modules' units when this one's forward starts.
+
+        Overrides the default (the next ``prefetch_depth`` units of the last
+        step's order). Every rank must pass the same list.
+        """
+        self._unit().forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these sharded modules' units when this one's backward starts.
+
+        Backward all-gathers keep their rank-independent order: prefetching
+        unit w also gathers the units between this one and w in that order.
+        """
+        self._unit().backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_prefetch_depth(self, depth: int) -> None:
+        """How many units to all-gather ahead in forward and backward (default 1).
+
+        Takes effect when set on the root. In-flight unsharded memory is at
+        most the current unit plus ``depth`` units (plus explicit prefetches);
+        0 disables prefetching.
+        """
+        if not isinstance(depth, int) or depth < 0:
+            raise unit_error(self._unit().fqn, f"prefetch depth must be an int >= 0, got "
+                             f"{depth!r}.", exc=ValueError)
+        self._unit().prefetch_depth = depth
+
+
+def _units_of(modules, where: str) -> list[Unit]:
+    units = []
+    for m in modules:
+        u = unit_of(m)
+        if u is None:
+            raise ValueError(f"fsdp_compose.{where}: {type(m).__name__} is not sharded; pass "
+                             "modules that fully_shard was applied to.")
+        units.append(u)
+    return units
+
+
 class UnshardHandle:
     def __init__(self, unit: Unit):
         self._unit = unit

@@ -47,22 +47,24 @@ class FlatParamRegistry:
     """Every flat group below the root; and their execution order.
 
     ``groups``: module order. ``execution_order``: the units in the order of
-    their first forward, recorded on the first step (what prefetching and
-    checkpoint traversal will walk).
+    their first forward in the last training step (re-recorded every step, so
+    a changed order is followed from the next step on). Forward prefetching
+    walks it: ``next_units(u, n)`` are the n units after ``u``.
     """
 
     def __init__(self, units: list[Unit]):
         self.units = units
         self.groups = [g for u in units for g in u.groups]
         self.execution_order: list[Unit] = []
-        self._recording = True
+        self._next: dict[Unit, list[Unit]] = {}
 
-    def record(self, unit: Unit) -> None:
-        if self._recording and unit not in self.execution_order:
-            self.execution_order.append(unit)
+    def set_order(self, order: list[Unit]) -> None:
+        if order != self.execution_order:
+            self.execution_order = order
+            self._next = {u: order[i + 1:] for i, u in enumerate(order)}
 
-    def stop_recording(self) -> None:
-        self._recording = False
+    def next_units(self, unit: Unit, n: int) -> list[Unit]:
+        return self._next.get(unit, [])[:n]
 
     def __repr__(self) -> str:
         order = [u.fqn or "<root>" for u in self.execution_order]
@@ -94,6 +96,7 @@ class RootContext:
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
 
+
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
         if any(u.state is not TrainingState.IDLE for u in self.units):
@@ -111,8 +114,21 @@ class RootContext:
                     u.reshard()
 
     def record_forward(self, unit: Unit) -> None:
-        self.registry.record(unit)
         self._step_order.setdefault(unit, None)
+
+    def prefetch_forward(self, unit: Unit) -> None:
+        """Issue the all-gathers of the units expected to run after ``unit``.
+
+        Same on every rank: the order is the last training step's, and which
+        units are sharded is rank-independent.
+        """
+        targets = unit.forward_prefetch
+        if targets is None:
+            targets = self.registry.next_units(unit, self.root.prefetch_depth)
+        for v in targets:
+            if not v.is_unsharded:
+                trace("prefetch", v.fqn, "forward")
+                v.unshard()
 
     def expect_backward(self, unit: Unit) -> None:
         self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
@@ -126,7 +142,7 @@ class RootContext:
         if not self._callback_queued:
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
-            self.registry.stop_recording()
+            self.registry.set_order(list(self._step_order))
             _compat.queue_final_callback(self._final_callback)
 
     def in_nested_backward(self) -> bool:
@@ -140,9 +156,14 @@ class RootContext:
 
     def unshard_for_backward(self, unit: Unit) -> None:
         """Issue the all-gather of ``unit`` and, first, of every unit before it
-        in the gather order (no wait)."""
+        in the gather order; then prefetch (no wait). Prefetching is more of
+        the same prefix, so it never reorders collectives."""
         if unit in self._grad_follows:
-            self._gather_up_to(self._gather_positions()[unit])
+            pos = self._gather_positions()
+            stop = pos[unit] + self.root.prefetch_depth
+            if unit.backward_prefetch is not None:
+                stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
+            self._gather_up_to(min(stop, len(pos) - 1))
         unit.unshard()
 
     def _gather_positions(self) -> dict[Unit, int]:

@@ -48,6 +48,12 @@ class Unit:
         self.ctx: RootContext | None = None
         self._forward_depth = 0   # >0 while inside any module of this unit
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
+        # Prefetch (read on the root): how many units to all-gather ahead, in
+        # forward (last step's order) and backward (gather order). Bounds the
+        # in-flight unsharded memory to the current unit plus this many.
+        self.prefetch_depth = 1
+        self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
+        self.backward_prefetch: list[Unit] | None = None
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
@@ -117,6 +123,7 @@ class Unit:
             ctx.record_forward(self)
             with label("pre_forward", self.fqn):
                 self.unshard()
+                ctx.prefetch_forward(self)
                 self._refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1

@@ -988,20 +988,22 @@ class TestRecomputeSchedule(expecttest.TestCase):
         self.assertExpectedInline(_fmt(self.r0["around2_nonreentrant"]), """\
 pre_forward IDLE
 all_gather FORWARD
+prefetch layers.0 forward
+all_gather layers.0 IDLE
 pre_forward layers.0 IDLE
-all_gather layers.0 FORWARD
+prefetch layers.1 forward
+all_gather layers.1 IDLE
 post_forward layers.0 FORWARD
 reshard layers.0 FORWARD
 pre_forward layers.1 IDLE
-all_gather layers.1 FORWARD
 post_forward layers.1 FORWARD
 reshard layers.1 FORWARD
 post_forward FORWARD
 pre_backward IDLE
+all_gather layers.1 IDLE
 pre_backward layers.1 IDLE
-all_gather layers.1 PRE_BACKWARD
-pre_forward_recompute layers.0 IDLE
 all_gather layers.0 IDLE
+pre_forward_recompute layers.0 IDLE
 pre_forward_recompute layers.1 PRE_BACKWARD
 post_backward layers.1 PRE_BACKWARD
 reshard layers.1 POST_BACKWARD
@@ -1019,12 +1021,14 @@ final_callback""")
         self.assertExpectedInline(_fmt(self.r0["around2_reentrant"]), """\
 pre_forward IDLE
 all_gather FORWARD
+prefetch layers.0 forward
+all_gather layers.0 IDLE
 pre_forward layers.0 IDLE
-all_gather layers.0 FORWARD
+prefetch layers.1 forward
+all_gather layers.1 IDLE
 post_forward layers.0 FORWARD
 reshard layers.0 FORWARD
 pre_forward layers.1 IDLE
-all_gather layers.1 FORWARD
 post_forward layers.1 FORWARD
 reshard layers.1 FORWARD
 post_forward FORWARD

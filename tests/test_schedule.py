@@ -28,6 +28,25 @@ def _one_step(rank, world):
     return _fmt(ev)
 
 
+def _prefetch_knobs(rank, world):
+    out = {}
+    for name in ("depth0", "explicit"):
+        m = shard(Net(n=3))
+        if name == "depth0":
+            m.set_prefetch_depth(0)
+        else:  # forward: layers.0 fetches layers.2 (not layers.1); backward: layers.2 -> layers.0
+            m.set_prefetch_depth(0)
+            m.layers[0].set_modules_to_forward_prefetch([m.layers[2]])
+            m.layers[2].set_modules_to_backward_prefetch([m.layers[0]])
+        x = torch.randn(2, 3)
+        m(x).sum().backward()
+        with record_schedule() as ev:
+            m(x).sum().backward()
+        out[name] = _fmt(e for e in ev if e[0] in ("pre_forward", "pre_backward", "all_gather",
+                                                  "prefetch"))
+    return out
+
+
 class Branchy(nn.Module):
     """layers.1 contributes to the loss only on rank 0."""
 
@@ -64,23 +83,25 @@ class TestSchedule(expecttest.TestCase):
         self.assertExpectedInline(rank0, """\
 pre_forward IDLE
 all_gather FORWARD
+prefetch layers.0 forward
+all_gather layers.0 IDLE
 pre_forward layers.0 IDLE
-all_gather layers.0 FORWARD
+prefetch layers.1 forward
+all_gather layers.1 IDLE
 post_forward layers.0 FORWARD
 reshard layers.0 FORWARD
 pre_forward layers.1 IDLE
-all_gather layers.1 FORWARD
 post_forward layers.1 FORWARD
 reshard layers.1 FORWARD
 post_forward FORWARD
 pre_backward IDLE
+all_gather layers.1 IDLE
 pre_backward layers.1 IDLE
-all_gather layers.1 PRE_BACKWARD
+all_gather layers.0 IDLE
 post_backward layers.1 PRE_BACKWARD
 reshard layers.1 POST_BACKWARD
 reduce_scatter layers.1 ready
 pre_backward layers.0 IDLE
-all_gather layers.0 PRE_BACKWARD
 post_backward layers.0 PRE_BACKWARD
 reshard layers.0 POST_BACKWARD
 reduce_scatter layers.0 ready
@@ -100,20 +121,59 @@ final_callback""")
         # callback, in the same positions of the two orders as rank 0 does.
         self.assertExpectedInline(r0, """\
 all_gather layers.2 PRE_BACKWARD
+all_gather layers.1 IDLE
 reduce_scatter layers.2 ready
-all_gather layers.1 PRE_BACKWARD
+all_gather layers.0 IDLE
 reduce_scatter layers.1 ready
-all_gather layers.0 PRE_BACKWARD
 reduce_scatter layers.0 ready
 reduce_scatter ready
 final_callback""")
         self.assertExpectedInline(r1, """\
 all_gather layers.2 PRE_BACKWARD
-reduce_scatter layers.2 ready
 all_gather layers.1 IDLE
+reduce_scatter layers.2 ready
 all_gather layers.0 PRE_BACKWARD
 final_callback
 reduce_scatter layers.1 zero-filled
 reduce_scatter layers.0 ready
 reduce_scatter ready""")
         self.assertTrue(set0 and set1)
+
+    def test_prefetch_knobs(self):
+        r = run_distributed(_prefetch_knobs, 2)[0]
+        # depth 0: every unit gathers itself, when it starts
+        self.assertExpectedInline(r["depth0"], """\
+pre_forward IDLE
+all_gather FORWARD
+pre_forward layers.0 IDLE
+all_gather layers.0 FORWARD
+pre_forward layers.1 IDLE
+all_gather layers.1 FORWARD
+pre_forward layers.2 IDLE
+all_gather layers.2 FORWARD
+pre_backward IDLE
+pre_backward layers.2 IDLE
+all_gather layers.2 PRE_BACKWARD
+pre_backward layers.1 IDLE
+all_gather layers.1 PRE_BACKWARD
+pre_backward layers.0 IDLE
+all_gather layers.0 PRE_BACKWARD""")
+        # explicit lists override the order; backward prefetch of layers.0 from
+        # layers.2 also gathers layers.1 (between them in the gather order)
+        self.assertExpectedInline(r["explicit"], """\
+pre_forward IDLE
+all_gather FORWARD
+pre_forward layers.0 IDLE
+all_gather layers.0 FORWARD
+prefetch layers.2 forward
+all_gather layers.2 IDLE
+pre_forward layers.1 IDLE
+all_gather layers.1 FORWARD
+pre_forward layers.2 IDLE
+pre_backward IDLE
+pre_backward layers.2 IDLE
+all_gather layers.2 PRE_BACKWARD
+all_gather layers.1 IDLE
+all_gather layers.0 IDLE
+pre_backward layers.1 IDLE
+pre_backward layers.0 IDLE""")
