@@ -64,6 +64,21 @@ class FSDPModule:
                 u.reshard_after_forward = bool(reshard_after_forward)
 
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """Gradient accumulation: with False, backward reduces nothing.
+
+        Each unit keeps summing its unsharded flat gradient (one buffer, made
+        by the first backward, accumulated in place by autograd); the next
+        backward with True reduce-scatters the sum once. Costs one unsharded
+        gradient per unit of memory while accumulating; saves every
+        reduce-scatter but the last. Every rank must use the same setting.
+        """
+        for m in (self.modules() if recurse else [self]):
+            u = unit_of(m)
+            if u is not None:
+                u.requires_gradient_sync = bool(requires_gradient_sync)
+
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
 

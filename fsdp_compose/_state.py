@@ -178,6 +178,8 @@ class RootContext:
             self._gather_order[self._gather_next - 1].unshard()
 
     def grads_ready(self, unit: Unit) -> None:
+        if not unit.requires_gradient_sync:
+            return  # flat.grad stays and accumulates; the next synced backward reduces it
         if unit in self._launched or unit not in self._grad_follows:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
             # or a unit outside the backward order (reentrant recomputation): now
@@ -190,8 +192,8 @@ class RootContext:
         order = self.reduce_order()
         while self._next < len(order):
             unit = order[self._next]
-            if not unit.trainable:
-                self._next += 1
+            if not (unit.trainable and unit.requires_gradient_sync):
+                self._next += 1  # nothing to reduce (frozen, or accumulating)
                 continue
             if not final and unit not in self._ready:
                 break

@@ -54,6 +54,8 @@ class Unit:
         self.prefetch_depth = 1
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.backward_prefetch: list[Unit] | None = None
+        # False: keep accumulating the unsharded flat gradient, no reduce-scatter
+        self.requires_gradient_sync = True
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward

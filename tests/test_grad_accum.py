@@ -1,0 +1,94 @@
+"""Gradient accumulation: set_requires_gradient_sync(False) over microbatches.
+
+Four microbatches (sync off for the first three) must give the same
+gradients, parameters and losses as one large batch in a single process, and
+only the last backward may reduce-scatter.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_compose import comm_stats, fully_shard, param_info, reset_comm_stats
+
+from ._dist import run_distributed
+from .test_api import Block
+
+MICRO = 4
+ROWS = 4  # per microbatch per rank
+
+
+class Net(nn.Module):
+    """``side`` contributes only when ``use_side``: in one microbatch of four."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 6)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.side = Block()
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x, use_side=True):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        s = self.side(x)
+        return self.out(x + s if use_side else x + s.detach() * 0)
+
+
+def _accumulate(rank, world, raf, side_once):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    for m in [*model.layers, model.side]:
+        fully_shard(m, reshard_after_forward=raf)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    problems, reduces = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(MICRO, world, ROWS, 3, generator=g)  # (micro, rank, rows, 3)
+        y = torch.randn(MICRO, world, ROWS, 1, generator=g)
+        use = [not side_once or k == 0 for k in range(MICRO)]
+        step_reduces = []
+        for k in range(MICRO):
+            model.set_requires_gradient_sync(k == MICRO - 1)
+            reset_comm_stats()
+            loss = (model(x[k, rank], use[k]) - y[k, rank]).pow(2).mean() / MICRO
+            loss.backward()
+            step_reduces.append(comm_stats().reduce_scatter_calls)
+        reduces.append(step_reduces)
+        # reference: every microbatch of every rank, one process, averaged over ranks
+        ref_loss = sum((ref(x[k].reshape(-1, 3), use[k]) - y[k].reshape(-1, 1)).pow(2).mean()
+                       for k in range(MICRO)) / MICRO
+        ref_loss.backward()
+        refp = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            a, b = param_info(p).local_range
+            want = refp[name].grad.flatten()[a:b]
+            if not torch.allclose(p.grad, want, rtol=1e-5, atol=1e-6):
+                problems.append(f"step {step} grad {name}: {(p.grad - want).abs().max():.2e}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for name, p in model.named_parameters():
+            a, b = param_info(p).local_range
+            if not torch.allclose(p.detach(), refp[name].detach().flatten()[a:b],
+                                  rtol=1e-5, atol=1e-6):
+                problems.append(f"step {step} param {name}")
+    return problems, reduces
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("raf,side_once", [(True, False), (False, False), (True, True)])
+def test_accumulation_matches_one_large_batch(world, raf, side_once):
+    units = 5  # 3 layers + side + root
+    for problems, reduces in run_distributed(_accumulate, world, raf, side_once):
+        assert problems == []
+        # only the synced (last) backward reduce-scatters, once per unit
+        assert reduces == [[0, 0, 0, units]] * 3
