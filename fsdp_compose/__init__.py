@@ -7,7 +7,7 @@
 """
 from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
-from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, lazy_init, param_info,
+from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
                            register_fsdp_forward_method)
 from .api import CommStats, ParamInfo
 from .clip import clip_grad_norm_
@@ -20,7 +20,6 @@ __all__ = [
     "param_info",
     "register_fsdp_forward_method",
     "ParamInfo",
-    "lazy_init",
     "comm_stats",
     "reset_comm_stats",
     "CommStats",

@@ -32,10 +32,10 @@ def graph_task_id() -> int:
 def in_backward() -> bool:
     """True while the autograd engine is executing a graph on this thread.
 
-    Why private: a forward that runs inside backward is activation-checkpoint
-    recomputation, and there is no public way to ask the engine.
+    A forward that runs inside backward is activation-checkpoint
+    recomputation (see ``graph_task_id`` for why this is private).
     """
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 def profiler_enabled() -> bool:

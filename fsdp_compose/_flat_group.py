@@ -90,7 +90,7 @@ class FlatGroup:
         first = params[0][0]
         self.dtype: torch.dtype = first.dtype
         self.requires_grad: bool = first.requires_grad
-        self.world, self.rank = world, rank
+        self.world = world
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
         self.unit_fqn = unit_fqn
         self.device = torch.device("meta") if first.is_meta else device

@@ -296,8 +296,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     device = _mesh_device(mesh)
     params = _collect(modules, {id(p) for p in ignored}, label)
     groups = _build_groups(params, label, device, mesh) if params else []
-    unit = Unit(modules, groups, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                label=label)
+    unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label)
     for g in groups:
         g.install_sharded()
         for e in g.entries:
@@ -368,13 +367,3 @@ def param_info(param: torch.Tensor):
                          "model.parameters() after fully_shard, while the model is sharded.")
     g, e = hit
     return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn)
-
-
-def lazy_init(module: nn.Module) -> None:
-    """Initialise ``module`` as the root now (normally done by its first forward)."""
-    u = unit_of(module)
-    if u is None:
-        raise ValueError(f"fsdp_compose.lazy_init: {type(module).__name__} is not sharded; "
-                         "call fully_shard on it first.")
-    if u.ctx is None:
-        lazy_init_root(u)

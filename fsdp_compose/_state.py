@@ -44,9 +44,9 @@ def unit_of(module: nn.Module) -> Unit | None:
 
 
 class FlatParamRegistry:
-    """Every flat group below the root; and their execution order.
+    """Every unit below the root, in module order, and their execution order.
 
-    ``groups``: module order. ``execution_order``: the units in the order of
+    ``execution_order``: the units in the order of
     their first forward in the last training step (re-recorded every step, so
     a changed order is followed from the next step on). Forward prefetching
     walks it: ``next_units(u, n)`` are the n units after ``u``.
@@ -54,7 +54,6 @@ class FlatParamRegistry:
 
     def __init__(self, units: list[Unit]):
         self.units = units
-        self.groups = [g for u in units for g in u.groups]
         self.execution_order: list[Unit] = []
         self._next: dict[Unit, list[Unit]] = {}
 
@@ -68,7 +67,7 @@ class FlatParamRegistry:
 
     def __repr__(self) -> str:
         order = [u.fqn or "<root>" for u in self.execution_order]
-        return f"FlatParamRegistry(units={len(self.units)}, groups={len(self.groups)}, order={order})"
+        return f"FlatParamRegistry(units={len(self.units)}, order={order})"
 
 
 class RootContext:

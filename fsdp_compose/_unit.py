@@ -4,8 +4,7 @@ A step, as the unit sees it:
 
     pre_forward   unshard (all-gather), install full-shape views     IDLE -> FORWARD
     post_forward  register pre-backward on the outputs; reshard if
-                  reshard_after_forward (always, if no backward can
-                  follow)                                            FORWARD -> IDLE
+                  reshard_after_forward (always in eval)             FORWARD -> IDLE
     pre_backward  unshard again if it was resharded                  -> PRE_BACKWARD
     post_backward every trainable group's flat gradient is
                   accumulated: reshard, hand the unit to the root's
@@ -35,12 +34,11 @@ if TYPE_CHECKING:
 
 
 class Unit:
-    def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *, mesh,
+    def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
                  reshard_after_forward: bool | None, label: str):
         self.modules = modules
         self.groups = groups
         self.trainable = [g for g in groups if g.requires_grad]
-        self.mesh = mesh
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
@@ -222,7 +220,8 @@ class Unit:
         ctx.grads_ready(self)
 
     def launch_reduce_scatters(self) -> list:
-        trace("reduce_scatter", self.fqn, "ready" if self._ready else "zero-filled")
+        got = any(g.flat.grad is not None for g in self.trainable)
+        trace("reduce_scatter", self.fqn, "ready" if got else "zero-filled")
         with label("reduce_scatter", self.fqn):
             return [g.launch_reduce_scatter(self.ctx.streams) for g in self.trainable]
 

@@ -185,9 +185,11 @@ def test_local_pieces_partition_the_model(semantics):
 
 
 # --------------------------------------------------------- collective counts
-def _counts(rank, world, raf):
+def _counts(rank, world, raf, switch_to=None):
     torch.manual_seed(0)
     m = shard(Net(n=4), reshard_after_forward=raf)
+    if switch_to is not None:
+        m.set_reshard_after_forward(switch_to)  # recursive: every block
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     per_step = []
     for _ in range(2):
@@ -208,6 +210,11 @@ def _counts(rank, world, raf):
 def test_collective_counts(raf, expected):
     for per_step in run_distributed(_counts, 2, raf):
         assert per_step == [expected, expected]
+
+
+def test_set_reshard_after_forward_changes_the_schedule():
+    for per_step in run_distributed(_counts, 2, True, False):
+        assert per_step == [(5, 5, 0), (5, 5, 0)]
 
 
 def test_world_size_one_issues_no_collectives():
