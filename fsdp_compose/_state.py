@@ -95,7 +95,6 @@ class RootContext:
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
 
-
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
         if any(u.state is not TrainingState.IDLE for u in self.units):
@@ -119,8 +118,14 @@ class RootContext:
         """Issue the all-gathers of the units expected to run after ``unit``.
 
         Same on every rank: the order is the last training step's, and which
-        units are sharded is rank-independent.
+        units are sharded is rank-independent. Only inside a training forward
+        of the root: a prefetch an eval forward leaves unconsumed (an inner
+        unit called directly) would be resharded by nothing, and go stale at
+        the next optimizer step; a training step's leftovers are resharded by
+        its final callback or the next step's root forward.
         """
+        if not self.in_training_forward:
+            return
         targets = unit.forward_prefetch
         if targets is None:
             targets = self.registry.next_units(unit, self.root.prefetch_depth)

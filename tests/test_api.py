@@ -219,3 +219,24 @@ def test_set_reshard_after_forward_changes_the_schedule():
 
 def test_world_size_one_issues_no_collectives():
     assert run_distributed(_counts, 1, True)[0] == [(0, 0, 0), (0, 0, 0)]
+
+
+# ------------------------------------------- eval calls never see stale shards
+def _eval_after_update(rank, world):
+    torch.manual_seed(0)
+    m = Net(n=2)
+    ref = copy.deepcopy(m)
+    shard(m)
+    m(torch.randn(4, 3)).sum().backward()  # a training step records the order
+    m.zero_grad()
+    h = torch.randn(4, 6)
+    with torch.no_grad():
+        m.layers[0](h)  # an inner unit called directly, in eval
+        for p, q in zip(m.parameters(), ref.parameters()):  # an in-place update,
+            p.add_(0.5)                                     # like optimizer.step()
+            q.add_(0.5)
+        return torch.allclose(m.layers[1](h), ref.layers[1](h), atol=1e-6)
+
+
+def test_eval_call_after_update_sees_new_parameters():
+    assert all(run_distributed(_eval_after_update, 2))
