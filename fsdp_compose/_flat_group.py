@@ -169,10 +169,6 @@ class FlatGroup:
                 m._parameters[name] = e.unsharded
         self._views_installed = True
 
-    @property
-    def parameters(self) -> list[nn.Parameter]:
-        return [e.sharded for e in self.entries]
-
     # ---------------------------------------------------------- unshard/reshard
     def _frees_storage(self) -> bool:
         return self.world > 1 and self.device.type != "meta"

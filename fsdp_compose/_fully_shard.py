@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import unit_error
 from ._flat_group import FlatGroup
-from ._state import assign_fqns, lazy_init_root, unit_of
+from ._state import assign_fqns, unit_of
 from ._unit import Unit
 
 # Every sharded Parameter we created -> (group, entry); and every original
