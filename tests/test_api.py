@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp_compose
 from fsdp_compose import FSDPModule, comm_stats, fully_shard, param_info, reset_comm_stats
 
 from ._dist import run_distributed
