@@ -265,10 +265,9 @@ def _units_below(module: nn.Module) -> list[tuple[str, Unit]]:
 
 def assign_fqns(module: nn.Module) -> None:
     """Name every unit and parameter below ``module`` relative to it."""
+    prefix = {id(m): name for name, m in module.named_modules()}
     for fqn, u in _units_below(module):
         u.fqn = fqn
-    prefix = {id(m): name for name, m in module.named_modules()}
-    for _, u in _units_below(module):
         for g in u.groups:
             g.unit_fqn = u.fqn
             for e in g.entries:
@@ -282,11 +281,7 @@ def lazy_init_root(unit: Unit) -> None:
     root_module = unit.modules[0]
     if len(unit.modules) == 1:
         assign_fqns(root_module)
-    named = [(fqn, u) for m in unit.modules for fqn, u in _units_below(m)]
-    units: list[Unit] = []
-    for _, u in named:
-        if u not in units:
-            units.append(u)
+    units = list(dict.fromkeys(u for m in unit.modules for _, u in _units_below(m)))
     _check_not_meta(unit, units)
     for u in units:
         _check_params(u)
