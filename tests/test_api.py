@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import fsdp_compose
 from fsdp_compose import FSDPModule, comm_stats, fully_shard, param_info, reset_comm_stats
 
 from ._dist import run_distributed
@@ -98,6 +99,13 @@ def _errors(rank, world):
     out["moved_after"] = _error(lambda: moved(torch.randn(2, 3, dtype=torch.float64)))
 
     out["param_info_plain"] = _error(lambda: param_info(nn.Parameter(torch.zeros(2))))
+
+    knobs = shard(Net())
+    out["prefetch_depth_negative"] = _error(lambda: knobs.layers[0].set_prefetch_depth(-1))
+    out["prefetch_not_sharded"] = _error(
+        lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
+    out["forward_method_missing"] = _error(
+        lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
     return out
 
 
@@ -116,13 +124,16 @@ def errors():
     ("module_list", "ValueError", ["ModuleList", "each block"]),
     ("moved_after", "RuntimeError", ["<root>", "'inp.weight'", "before calling fully_shard"]),
     ("param_info_plain", "ValueError", ["not a parameter sharded by fully_shard"]),
+    ("prefetch_depth_negative", "ValueError", ["unit 'layers.0'", "int >= 0", "-1"]),
+    ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
+    ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
 ])
 def test_clear_errors(errors, case, exc, needles):
     got_exc, msg = errors[case]
     assert got_exc == exc, (case, got_exc, msg)
     for needle in needles:
         assert needle in msg, f"{case}: {needle!r} not in {msg!r}"
-    assert "[rank" in msg or case in ("param_info_plain",), msg
+    assert "[rank" in msg or case in ("param_info_plain", "prefetch_not_sharded"), msg
 
 
 # ---------------------------------------------------------- module semantics
