@@ -9,7 +9,8 @@ from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
 from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
                            register_fsdp_forward_method)
-from .api import CommStats, ParamInfo
+from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                  ParamInfo)
 from .clip import clip_grad_norm_
 
 __all__ = [
@@ -20,6 +21,9 @@ __all__ = [
     "param_info",
     "register_fsdp_forward_method",
     "ParamInfo",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
     "comm_stats",
     "reset_comm_stats",
     "CommStats",

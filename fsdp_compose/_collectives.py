@@ -29,9 +29,6 @@ def reset_comm_stats() -> None:
     global _stats
     _stats = CommStats()
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn).
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -45,12 +42,13 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
     return _all_gather_tensor(output, shard, group=group, async_op=True)
 
 
-def reduce_scatter_avg(output: torch.Tensor, flat_grad: torch.Tensor, group) -> dist.Work:
-    """``output`` (S) ← mean over ranks of this rank's chunk of ``flat_grad`` (world·S)."""
+def reduce_scatter(output: torch.Tensor, flat_grad: torch.Tensor, group,
+                   op=dist.ReduceOp.AVG) -> dist.Work:
+    """``output`` (S) ← ``op`` (mean by default) over ranks of this rank's chunk of
+    ``flat_grad`` (world·S)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
-    return _reduce_scatter_tensor(output, flat_grad, op=dist.ReduceOp.AVG, group=group,
-                                  async_op=True)
+    return _reduce_scatter_tensor(output, flat_grad, op=op, group=group, async_op=True)
 
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:

@@ -26,6 +26,7 @@ class ShardedState(enum.Enum):
     SHARDED = enum.auto()     # only the local shard exists; params are 1-D shard views
     UNSHARDING = enum.auto()  # all-gather issued, not yet waited
     UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
+    PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
 
 
 def rank() -> int:

@@ -3,14 +3,20 @@
 [Note: tensor vocabulary]
 For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
 
-- *local shard* ``shard`` (S): persistent. Rank r's slice ``[r·S, (r+1)·S)``
-  of the padded flat buffer. The sharded ``nn.Parameter``s the optimizer holds
-  are 1-D views of it. It is the all-gather *input*, as is: no copy-in.
-- *unsharded flat* ``flat`` (W·S): a leaf tensor (``requires_grad`` when the
-  group trains) whose storage is allocated on unshard and freed on reshard
-  (``untyped_storage().resize_``), so the tensor and every view of it keep
-  their identity across iterations. It is the all-gather *output*: no copy-out.
-  At world size 1 it aliases the local shard and is never freed.
+- *local shard* ``shard`` (S): persistent, in the parameters' own dtype (the
+  master copy), on the compute device, or on CPU with offloading. Rank r's
+  slice ``[r·S, (r+1)·S)`` of the padded flat buffer. The sharded
+  ``nn.Parameter``s the optimizer holds are 1-D views of it. Without mixed
+  precision or offloading it is the all-gather *input*, as is: no copy-in.
+- *unsharded flat* ``flat`` (W·S), in the *compute dtype* (``param_dtype`` of
+  the unit's mixed-precision policy, else the parameters' dtype): a leaf
+  tensor (``requires_grad`` when the group trains) whose storage is allocated
+  on unshard and freed on reshard (``untyped_storage().resize_``), so the
+  tensor and every view of it keep their identity across iterations. It is
+  the all-gather *output*: no copy-out. With mixed precision or offloading,
+  the shard is cast / copied in ONE pass into this rank's own chunk of
+  ``flat``, and the all-gather runs in place from that chunk. At world size 1
+  without either, it aliases the local shard and is never freed.
 - *unsharded views*: the original parameters while unsharded, made by a
   single ``split`` of ``flat`` plus a ``view`` each. One split means one
   autograd node: backward writes ONE flat gradient (zeros for unused
@@ -21,10 +27,16 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   so a split node created at ``fully_shard`` time would be starved until the
   whole backward is done (no reduce-scatter overlap, every unit unsharded at
   once). Made in pre-forward, it runs as soon as the unit's gradients are in.
-- *flat gradient* ``flat.grad`` (W·S): the reduce-scatter *input*, as is.
-- *gradient shard* (S): the reduce-scatter output, as is. ``p.grad`` of each
-  sharded parameter is the matching 1-D view of it; only those views keep it
-  alive, so ``zero_grad()`` frees it. At world size 1 it is the flat gradient.
+- *flat gradient* ``flat.grad`` (W·S, compute dtype): the reduce-scatter
+  *input*, as is (cast once first when ``reduce_dtype`` differs).
+- *gradient shard* (S, the parameters' dtype, where the shard lives): the
+  reduce-scatter output, as is when dtype and device match. ``p.grad`` of
+  each sharded parameter is the matching 1-D view of it; only those views
+  keep it alive, so ``zero_grad()`` frees it. At world size 1 it is the flat
+  gradient.
+- *post-forward shard* (W·S/N): with ``reshard_after_forward=N`` (an int),
+  after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
+  the backward all-gather runs within its group of N ranks.
 
 Layout: each parameter starts at a multiple of ``ALIGN_BYTES`` (gap elements
 between parameters are padding), and the total is padded to a multiple of
@@ -34,18 +46,45 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from . import _collectives
 from ._common import ShardedState, unit_error
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _ceil_to(n: int, k: int) -> int:
     return (n + k - 1) // k * k
+
+
+def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
+    """(pre, post) divisors for a SUM reduction over ``total`` ranks, or (None, None) for AVG.
+
+    In fp16/bf16, summing W gradients then dividing can overflow (fp16) or lose
+    the small ones; dividing by f before and W/f after (f a power of two near
+    sqrt(W): exact scaling) keeps the partial sums in range.
+    """
+    if reduce_dtype not in _LOW_PRECISION or total == 1:
+        return None, None
+    f = 1
+    while total % (2 * f) == 0 and (2 * f) * (2 * f) <= total:
+        f *= 2
+    return float(f), total / f
+
+
+class PostForward(NamedTuple):
+    """The smaller group a unit reshards to after forward (reshard_after_forward=int)."""
+
+    pg: dist.ProcessGroup
+    size: int   # N ranks hold the parameters between forward and backward
+    rank: int   # this rank's index in it
 
 
 @dataclass
@@ -74,30 +113,45 @@ class _GradLaunch:
     pending: Pending
     output: torch.Tensor
     mode: str  # "fresh" | "accumulate" | "mixed"
+    post_divide: float | None = None
     done: bool = field(default=False)
 
     def finish(self) -> None:
         if not self.done:
             self.pending.wait()
-            self.group._fold_grad(self.output, self.mode)
             self.done = True
+            self.group._finish_reduce(self.output, self.mode, self.post_divide)
 
 
 class FlatGroup:
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
-                 world: int, rank: int, pg, rs_pg):
+                 world: int, rank: int, pg, rs_pg,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None,
+                 offload: bool = False, pin_memory: bool = True,
+                 replicate_pg=None, post_forward: PostForward | None = None):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
-        self.dtype: torch.dtype = first.dtype
+        self.dtype: torch.dtype = first.dtype  # of the shard: the master copy
+        floating = self.dtype.is_floating_point
+        self.compute_dtype = param_dtype if (param_dtype and floating) else self.dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.compute_dtype
         self.requires_grad: bool = first.requires_grad
-        self.world = world
+        self.world, self.rank = world, rank
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
+        self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
+        self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
+        self.requires_all_reduce = True   # HSDP: False keeps a partial sum, no all-reduce
+        self.post_forward = post_forward
+        self.offload, self.pin_memory = offload, pin_memory
+        # one pass (cast and/or host-to-device) into flat's own chunk before the all-gather
+        self._copies_in = self.compute_dtype != self.dtype or offload
         self.unit_fqn = unit_fqn
-        self.device = torch.device("meta") if first.is_meta else device
         self.state = ShardedState.SHARDED
         self._views_installed = False  # the modules hold the full-shape views
 
-        align = max(1, ALIGN_BYTES // first.element_size())
+        itemsize = min(first.element_size(), self.compute_dtype.itemsize)
+        align = max(1, ALIGN_BYTES // itemsize)
         entries, split_sizes, view_at = [], [], []
         offset = 0
         for p, slots, fqn in params:
@@ -114,38 +168,73 @@ class FlatGroup:
             split_sizes.append(self.padded_numel - offset)  # tail padding
         self.shard_numel = S = self.padded_numel // world
         self.entries: list[ParamEntry] = entries
-
-        # Local shard: copy in this rank's piece of every parameter.
-        self.shard = torch.zeros(S, dtype=self.dtype, device=self.device)
+        self._split_sizes, self._view_at = split_sizes, view_at
         lo, hi = rank * S, (rank + 1) * S
+        for e in entries:
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a < b:
+                e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
+
+        self._grad_hook = None
+        self._allocate(torch.device("meta") if first.is_meta else device)
         with torch.no_grad():
             for e, (p, _, _) in zip(entries, params):
-                a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-                if a < b:
-                    e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
-                    if not p.is_meta:
-                        src = p.detach().reshape(-1)[a - e.offset:b - e.offset]
-                        self.shard[a - lo:b - lo].copy_(src)
-                e.sharded = nn.Parameter(self.shard[slice(*e.shard_range)],
-                                         requires_grad=self.requires_grad)
                 e.sharded.__dict__.update(p.__dict__)  # user attributes survive
-
-        # Unsharded flat buffer (the all-gather output), its views made once.
-        if world == 1:
-            self.flat = self.shard.data  # alias, own version counter; never freed
-        else:
-            self.flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        self.flat.requires_grad_(self.requires_grad)
-        # `.data` shares storage but not the version counter: writing the
-        # all-gather into it does not invalidate tensors saved for backward.
-        self.flat_data = self.flat.data
-        self._split_sizes, self._view_at = split_sizes, view_at
-        self.refresh_views()
-        self._free_flat()
+                if not p.is_meta and e.local_range[1] > e.local_range[0]:
+                    self.shard[slice(*e.shard_range)].copy_(p.detach().reshape(-1)[slice(*e.local_range)])
 
         self._grad_shard_ref = None   # weakref: see _adopt_grad_shard
         self._grad_view_refs = None
         self._pending: Pending | None = None
+        self._pf_shard: torch.Tensor | None = None   # post-forward shard (PARTIAL)
+        self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
+        self._partial: torch.Tensor | None = None    # HSDP: reduce-scattered, not all-reduced
+        self.unsharded_version = -1                  # shard._version when last gathered
+
+    # ------------------------------------------------------------- storage
+    def _allocate(self, device: torch.device) -> None:
+        """(Re)create the shard, the sharded Parameters and the unsharded flat on ``device``."""
+        self.device = device
+        meta = device.type == "meta"
+        self.shard_device = torch.device("cpu") if self.offload and not meta else device
+        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
+        if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
+            shard = shard.pin_memory()
+        self.shard = shard
+        for e in self.entries:
+            e.sharded = nn.Parameter(shard[slice(*e.shard_range)], requires_grad=self.requires_grad)
+        self._aliased = self.world == 1 and not self._copies_in
+        if self._aliased:
+            self.flat = shard.data  # alias, own version counter; never freed
+        else:
+            self.flat = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+        self.flat.requires_grad_(self.requires_grad)
+        # `.data` shares storage but not the version counter: writing the
+        # all-gather into it does not invalidate tensors saved for backward.
+        self.flat_data = self.flat.data
+        if self._grad_hook is not None:
+            self.flat.register_post_accumulate_grad_hook(self._grad_hook)
+        self.refresh_views()
+        self._free_flat()
+
+    def set_grad_hook(self, hook) -> None:
+        self._grad_hook = hook
+        self.flat.register_post_accumulate_grad_hook(hook)
+
+    def materialize_(self, device: torch.device) -> None:
+        """Give a group built on the meta device real (uninitialised) storage.
+
+        The sharded Parameters and the flat leaf are NEW objects (a meta tensor
+        cannot become a real one in place); the modules' slots are updated.
+        Callers that index Parameters (the ``_SHARDED`` map) re-register them.
+        """
+        if self.device.type != "meta":
+            raise unit_error(self.unit_fqn, "materialize_: the group is not on the meta device.")
+        old = [e.sharded for e in self.entries]
+        self._allocate(device)
+        for e, o in zip(self.entries, old):
+            e.sharded.__dict__.update(o.__dict__)
+        self.install_sharded()
 
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:
@@ -171,44 +260,89 @@ class FlatGroup:
 
     # ---------------------------------------------------------- unshard/reshard
     def _frees_storage(self) -> bool:
-        return self.world > 1 and self.device.type != "meta"
+        return not self._aliased and self.device.type != "meta"
 
     def _free_flat(self) -> None:
         if self._frees_storage():
             self.flat.untyped_storage().resize_(0)
 
+    def _alloc_flat(self) -> None:
+        if self._frees_storage():
+            self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
+
     def unshard(self, streams: StreamManager) -> None:
         """Issue the all-gather (no wait). Idempotent."""
-        if self.state is not ShardedState.SHARDED:
+        if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:
             return
         if self.device.type == "meta":
             raise unit_error(self.unit_fqn,
                              f"parameters {[e.fqn for e in self.entries]} are on the meta device.",
-                             "Initialise them on a real device before calling fully_shard.")
+                             "Initialise them on a real device before calling fully_shard, or "
+                             "call fsdp_compose.materialize(model) after it.")
+        if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
+            pf = self.post_forward
+            self._alloc_flat()
+            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg)
+            self.state = ShardedState.UNSHARDING
+            return
+        self.unsharded_version = self.shard._version
+        if self._aliased:
+            self.state = ShardedState.UNSHARDED
+            return
+        self._alloc_flat()
+        src = self.shard
+        if self._copies_in:  # cast / host-to-device in one pass, into our own chunk
+            S = self.shard_numel
+            src = self.flat_data[self.rank * S:(self.rank + 1) * S]
+            src.copy_(self.shard, non_blocking=self.shard.is_pinned())
         if self.world == 1:
             self.state = ShardedState.UNSHARDED
             return
-        self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
-        self._pending = streams.all_gather(self.flat_data, self.shard, self.pg)
+        self._pending = streams.all_gather(self.flat_data, src, self.pg)
         self.state = ShardedState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         if self.state is ShardedState.UNSHARDING:
             self._pending.wait()
             self._pending = None
+            self._pf_shard = None
             self.state = ShardedState.UNSHARDED
         if self.state is ShardedState.UNSHARDED:
             self.install_unsharded()
 
-    def reshard(self) -> None:
+    def reshard(self, to_post_forward: bool = False) -> None:
+        """Free the unsharded flat. ``to_post_forward``: keep this rank's 1/N of it
+        (reshard_after_forward=N) for a backward all-gather within N ranks."""
         if self.state is ShardedState.SHARDED:
             return
         if self.state is ShardedState.UNSHARDING:  # never free memory a collective writes
             self._pending.wait()
             self._pending = None
+            self._pf_shard = None
+            self.state = ShardedState.UNSHARDED
+        if self.state is ShardedState.PARTIAL:
+            if not to_post_forward:
+                self._pf_shard = None
+                self.state = ShardedState.SHARDED
+            return
         self.install_sharded()
+        if to_post_forward and self.post_forward is not None and self._frees_storage():
+            n = self.padded_numel // self.post_forward.size
+            i = self.post_forward.rank
+            self._pf_shard = self.flat_data[i * n:(i + 1) * n].clone()
+            self._free_flat()
+            self.state = ShardedState.PARTIAL
+            return
         self._free_flat()
         self.state = ShardedState.SHARDED
+
+    def keep_unsharded(self) -> None:
+        """Stay gathered past backward (set_reshard_after_backward(False)), but
+        let the modules show the sharded Parameters between steps."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
+        if self.state is ShardedState.UNSHARDED:
+            self.install_sharded()
 
     # --------------------------------------------------------------- gradients
     # The gradient shard is held only by the p.grad views (through their
@@ -231,18 +365,59 @@ class FlatGroup:
             return "accumulate"
         return "mixed"
 
+    def stash_unsynced_grad(self) -> None:
+        """No gradient sync this backward: keep the flat gradient for the next.
+
+        In the compute dtype autograd accumulates into ``flat.grad`` in place;
+        when the reduce dtype is wider (bf16 compute, fp32 reduce) the sum is
+        kept in the reduce dtype instead, as torch FSDP2 does.
+        """
+        g = self.flat.grad
+        if g is None or g.dtype == self.reduce_dtype:
+            return
+        self.flat.grad = None
+        if self._unsynced is None:
+            self._unsynced = g.to(self.reduce_dtype)
+        else:
+            self._unsynced.add_(g)
+
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
         flat_grad = self.flat.grad
         self.flat.grad = None
         if flat_grad is None:
-            flat_grad = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            flat_grad = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        elif flat_grad.dtype != self.reduce_dtype:
+            flat_grad = flat_grad.to(self.reduce_dtype)
+        if self._unsynced is not None:
+            flat_grad = flat_grad.add_(self._unsynced)
+            self._unsynced = None
         mode = self._grad_mode()
+        pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
+        if pre is not None:
+            flat_grad.div_(pre)
         if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, Pending(None, ()), flat_grad, mode)
-        # fresh: the output becomes the gradient shard (no copy)
-        out = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg), out, mode)
+            return _GradLaunch(self, Pending(None, ()), flat_grad, mode, post)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
+        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg, op), out,
+                           mode, post)
+
+    def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None) -> None:
+        if self.replicate_pg is not None:  # HSDP: then across the replicas
+            if self._partial is not None:
+                out = out.add_(self._partial)
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial = out  # p.grad is left alone until an all-reduced backward
+                return
+            op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
+            _collectives.all_reduce(out, op, self.replicate_pg)
+        if post is not None:
+            out.div_(post)
+        if out.dtype != self.dtype or out.device != self.shard_device:
+            out = out.to(self.shard_device, self.dtype)  # (offload: device-to-host)
+        self._fold_grad(out, mode)
 
     def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
         with torch.no_grad():
@@ -260,6 +435,7 @@ class FlatGroup:
                         g.add_(piece.view_as(g))
 
     def __repr__(self) -> str:
-        return (f"FlatGroup({self.unit_fqn!r}, {self.dtype}, requires_grad={self.requires_grad}, "
+        dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
+        return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.state.name})")

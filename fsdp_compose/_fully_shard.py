@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._common import unit_error
-from ._flat_group import FlatGroup
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._flat_group import FlatGroup, PostForward
 from ._state import assign_fqns, unit_of
 from ._unit import Unit
 
@@ -78,6 +79,35 @@ class FSDPModule:
             u = unit_of(m)
             if u is not None:
                 u.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with False, gradients are reduce-scattered within the shard
+        group but not all-reduced across replicas; the reduce-scattered sum is
+        kept and the next backward with True all-reduces it once (``p.grad`` is
+        updated then). Every rank must use the same setting."""
+        for m in (self.modules() if recurse else [self]):
+            u = unit_of(m)
+            if u is not None:
+                for g in u.groups:
+                    g.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """With False, parameters stay gathered after backward, so the next
+        forward (another microbatch) all-gathers nothing. Costs the unsharded
+        parameters' memory between steps. Safe across an optimizer step: a unit
+        whose shard changed since it was gathered is gathered again."""
+        for m in (self.modules() if recurse else [self]):
+            u = unit_of(m)
+            if u is not None:
+                u.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Call on the root. With False, the backward does not wait for its last
+        reduce-scatter: it overlaps the next microbatch's forward and is folded
+        into ``p.grad`` by the next backward. Set True before the last
+        microbatch's backward (its end makes every ``p.grad`` final)."""
+        self._unit().is_last_backward = bool(is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
@@ -219,15 +249,75 @@ def _reduce_scatter_group(pg):
     return _RS_GROUPS[key]
 
 
-def _build_groups(params: list, label: str, device, mesh: DeviceMesh) -> list[FlatGroup]:
+def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
+                  offload, post_forward_size: int | None) -> list[FlatGroup]:
     by_key: dict[tuple, list] = {}
     for item in params:
         p = item[0]
         by_key.setdefault((p.dtype, p.requires_grad), []).append(item)
-    world, rank, pg = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    shard_dim = mesh.ndim - 1
+    world, rank, pg = mesh.size(shard_dim), mesh.get_local_rank(shard_dim), mesh.get_group(shard_dim)
+    replicate_pg = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
     rs_pg = _reduce_scatter_group(pg)
-    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg)
+    post_forward = _post_forward_group(pg, post_forward_size) if post_forward_size else None
+    mp = mp_policy or MixedPrecisionPolicy()
+    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg,
+                      param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                      offload=offload is not None,
+                      pin_memory=bool(offload is not None and offload.pin_memory),
+                      replicate_pg=replicate_pg, post_forward=post_forward)
             for items in by_key.values()]
+
+
+def _check_policies(label: str, mp_policy, offload_policy):
+    if mp_policy is not None:
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise unit_error(label, f"mp_policy must be a fsdp_compose.MixedPrecisionPolicy, got "
+                             f"{mp_policy!r}.", exc=TypeError)
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dt = getattr(mp_policy, name)
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise unit_error(label, f"MixedPrecisionPolicy.{name} must be a floating-point "
+                                 f"torch.dtype or None, got {dt!r}.", exc=ValueError)
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise unit_error(label, f"offload_policy must be fsdp_compose.CPUOffloadPolicy() (or "
+                         f"OffloadPolicy() for none), got {offload_policy!r}.", exc=TypeError)
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    return mp_policy, offload
+
+
+def _check_reshard_after_forward(label: str, raf, shard_world: int):
+    """Returns (bool | None, N or None): N when parameters reshard to N-rank groups."""
+    if raf is None or isinstance(raf, bool):
+        return raf, None
+    if not isinstance(raf, int) or raf < 1 or shard_world % raf != 0:
+        raise unit_error(label, f"reshard_after_forward={raf!r} must be a bool, None, or an int "
+                         f"that divides the shard world size {shard_world}.",
+                         f"Use one of {[d for d in range(1, shard_world + 1) if shard_world % d == 0]}"
+                         " (e.g. the number of ranks per node).", exc=ValueError)
+    if raf == 1:
+        return False, None
+    if raf == shard_world:
+        return True, None
+    return True, raf
+
+
+_PF_GROUPS: dict = {}
+
+
+def _post_forward_group(pg, size: int) -> PostForward:
+    """This rank's group of ``size`` consecutive ranks of ``pg`` (reshard_after_forward=int).
+
+    Only the members of each group create it (``use_local_synchronization``).
+    """
+    ranks = dist.get_process_group_ranks(pg)
+    me = ranks.index(dist.get_rank())
+    block = tuple(ranks[me // size * size:(me // size + 1) * size])
+    key = (block, dist.get_backend(pg))
+    if key not in _PF_GROUPS:
+        _PF_GROUPS[key] = dist.new_group(list(block), use_local_synchronization=True)
+    group = _PF_GROUPS[key]
+    return PostForward(group, size, dist.get_rank(group))
 
 
 @overload
@@ -237,7 +327,9 @@ def fully_shard(module: list[nn.Module], **kw) -> list[nn.Module]: ...
 
 
 def fully_shard(module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | None = None,
+                reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None,
+                offload_policy: OffloadPolicy | None = None,
                 ignored_params: Iterable[nn.Parameter] | None = None):
     """Shard ``module``'s parameters across the ranks of ``mesh``, in place.
 
@@ -250,11 +342,19 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         module: a module, or a list of modules that form ONE unit (e.g. a tied
             embedding and output head). Returned as given, changed in place:
             its class becomes a subclass that is also an ``FSDPModule``.
-        mesh: a 1-D ``DeviceMesh``. Default: all ranks, on ``cuda`` for NCCL
-            and ``cpu`` for gloo.
+        mesh: a 1-D ``DeviceMesh`` (shard over it), or a 2-D one
+            ``(replicate, shard)`` for HSDP: shard within the second dim,
+            replicate across the first (gradient shards are all-reduced over
+            it). Default: all ranks, on ``cuda`` for NCCL and ``cpu`` for gloo.
         reshard_after_forward: free the full parameters after forward (True)
             or keep them until backward (False). ``None``: True, except for
-            the root, whose parameters are needed first in backward.
+            the root, whose parameters are needed first in backward. An int
+            N (dividing the shard size): after forward keep them sharded over
+            groups of N consecutive ranks, so the backward all-gather runs
+            within N ranks (N=1 is False, N=shard size is True).
+        mp_policy: ``MixedPrecisionPolicy`` for this unit (default: none).
+        offload_policy: ``CPUOffloadPolicy()`` keeps this unit's shards,
+            gradient shards and optimizer state on CPU.
         ignored_params: parameters to leave alone (not sharded, not reduced).
 
     Differences from torch FSDP2: while sharded, a parameter is a 1-D tensor
@@ -280,10 +380,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         raise unit_error(label, "the same module appears twice in the list.", exc=ValueError)
 
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise unit_error(label, f"mesh must be 1-D, got a {mesh.ndim}-D mesh "
-                         f"{tuple(mesh.mesh_dim_names or ())}.",
-                         "Pass the data-parallel sub-mesh, e.g. mesh['dp'].", exc=ValueError)
+    if mesh.ndim not in (1, 2):
+        raise unit_error(label, f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
+                         f"got a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}.",
+                         "Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+                         "mesh['dp_replicate', 'dp_shard'].", exc=ValueError)
+    mp_policy, offload = _check_policies(label, mp_policy, offload_policy)
 
     ignored = list(ignored_params or ())
     own = {id(p) for m in modules for p in m.parameters()}
@@ -294,9 +396,14 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                              "Pass parameters from module.parameters().", exc=ValueError)
 
     device = _mesh_device(mesh)
+    shard_world = mesh.size(mesh.ndim - 1)
+    reshard_after_forward, post_forward_size = _check_reshard_after_forward(
+        label, reshard_after_forward, shard_world)
     params = _collect(modules, {id(p) for p in ignored}, label)
-    groups = _build_groups(params, label, device, mesh) if params else []
-    unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label)
+    groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size)
+              if params else [])
+    unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
+                mp_policy=mp_policy)
     for g in groups:
         g.install_sharded()
         for e in g.entries:
@@ -349,10 +456,11 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        unit.pre_forward(module, args, kwargs)
+        cast = unit.pre_forward(module, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
         out = method(*args, **kwargs)
-        unit.post_forward(module, args, out)
-        return out
+        return unit.post_forward(module, args, out)
 
     module.__dict__[method_name] = wrapped
 

@@ -107,9 +107,11 @@ class RootContext:
             for u in self.units:
                 u.uses = 0
                 # left unsharded by a forward with no backward: may be stale
-                # after optimizer.step(), unless the user pinned it
+                # after optimizer.step(), unless the user pinned it. Kept by
+                # set_reshard_after_backward(False): only if no shard changed.
                 if u.is_unsharded and not u.pinned:
-                    u.reshard()
+                    if u.reshard_after_backward or u.is_stale():
+                        u.reshard()
 
     def record_forward(self, unit: Unit) -> None:
         self._step_order.setdefault(unit, None)
@@ -223,7 +225,11 @@ class RootContext:
             self._gather_up_to(len(self._gather_positions()) - 1)
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
                 self._issue_in_order(final=True)
-            self._drain()
+            if self.root.is_last_backward:
+                self._drain()
+            # else (set_is_last_backward(False)): the last reduce-scatter stays in
+            # flight, overlapping the next microbatch's forward; the next
+            # backward's first launch (or a last backward) folds it into p.grad
             for u in self.units:
                 u.finish_backward()
             self._reset_backward()

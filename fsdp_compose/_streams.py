@@ -43,8 +43,9 @@ class StreamManager:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group) -> Pending:
         return Pending(_collectives.all_gather(output, shard, group), (output, shard))
 
-    def reduce_scatter(self, output: torch.Tensor, flat_grad: torch.Tensor, group) -> Pending:
-        return Pending(_collectives.reduce_scatter_avg(output, flat_grad, group), (output, flat_grad))
+    def reduce_scatter(self, output: torch.Tensor, flat_grad: torch.Tensor, group,
+                       op=dist.ReduceOp.AVG) -> Pending:
+        return Pending(_collectives.reduce_scatter(output, flat_grad, group, op), (output, flat_grad))
 
     def __repr__(self) -> str:
         return f"StreamManager(device={self.device}, mode=async-collectives)"

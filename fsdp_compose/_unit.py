@@ -35,13 +35,20 @@ if TYPE_CHECKING:
 
 class Unit:
     def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
-                 reshard_after_forward: bool | None, label: str):
+                 reshard_after_forward: bool | None, label: str, mp_policy=None):
         self.modules = modules
         self.groups = groups
         self.trainable = [g for g in groups if g.requires_grad]
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
+        # False: stay gathered after backward (the next forward all-gathers
+        # nothing, unless an optimizer step changed a shard meanwhile)
+        self.reshard_after_backward = True
+        self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
+        mp = mp_policy
+        self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
+        self._cast_outputs = mp.output_dtype if mp is not None else None
         self.state = TrainingState.IDLE
         self.ctx: RootContext | None = None
         self._forward_depth = 0   # >0 while inside any module of this unit
@@ -58,7 +65,7 @@ class Unit:
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
         for g in self.trainable:
-            g.flat.register_post_accumulate_grad_hook(self._make_grad_hook(g))
+            g.set_grad_hook(self._make_grad_hook(g))
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
@@ -84,7 +91,8 @@ class Unit:
         streams = self._ensure_ctx().streams
         issued = False
         for g in self.groups:
-            issued |= g.state is ShardedState.SHARDED and g.world > 1
+            issued |= g.world > 1 and (g.state is ShardedState.SHARDED
+                                       or g.state is ShardedState.PARTIAL)
             g.unshard(streams)
         if issued:
             trace("all_gather", self.fqn, self.state.name)
@@ -93,15 +101,20 @@ class Unit:
         for g in self.groups:
             g.wait_for_unshard()
 
-    def reshard(self) -> None:
+    def reshard(self, to_post_forward: bool = False) -> None:
         if any(g.state is not ShardedState.SHARDED for g in self.groups):
             trace("reshard", self.fqn, self.state.name)
         for g in self.groups:
-            g.reshard()
+            g.reshard(to_post_forward)
 
     @property
     def is_unsharded(self) -> bool:
         return any(g.state is not ShardedState.SHARDED for g in self.groups)
+
+    def is_stale(self) -> bool:
+        """An optimizer step (any in-place write) changed a shard since it was gathered."""
+        return any(g.state is not ShardedState.SHARDED and g.shard._version != g.unsharded_version
+                   for g in self.groups)
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, module: nn.Module, args, kwargs):
@@ -113,7 +126,7 @@ class Unit:
             ctx.unshard_for_backward(self)
             self._refresh_views()
             self.wait_for_unshard()
-            return None
+            return self._cast(self._cast_inputs, (args, kwargs))
         if self._forward_depth == 0:
             if self.is_root:
                 ctx.root_pre_forward()
@@ -127,7 +140,18 @@ class Unit:
                 self._refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1
-        return None
+        return self._cast(self._cast_inputs, (args, kwargs))
+
+    @staticmethod
+    def _cast(dtype, tree):
+        """``tree`` with its floating-point tensors cast to ``dtype``; None if no cast."""
+        if dtype is None:
+            return None
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+        return _compat.tree_map_tensors(cast, tree)
 
     def _refresh_views(self) -> None:
         """After ``unshard()``: views need the storage allocated."""
@@ -136,8 +160,10 @@ class Unit:
                 g.refresh_views()
 
     def post_forward(self, module: nn.Module, args, output):
+        if self._cast_outputs is not None:  # (recomputation too: same saved tensors)
+            output = self._cast(self._cast_outputs, output)
         if _compat.in_backward():  # see [Note: recomputation]
-            return None
+            return output
         self._forward_depth -= 1
         if isinstance(output, torch.Tensor):  # fast path: skip the pytree walk
             outs = [output] if output.requires_grad else []
@@ -153,7 +179,7 @@ class Unit:
         elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
             self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
         if self._forward_depth > 0:  # another module of this unit is still running
-            return None
+            return output
         trace("post_forward", self.fqn, self.state.name)
         grad_follows = torch.is_grad_enabled() and bool(outs)
         if grad_follows:
@@ -164,11 +190,11 @@ class Unit:
         # whatever the setting: the optimizer never steps under a stale copy.
         in_training_step = self.ctx.in_training_forward and not self.is_root
         if self.reshard_after_forward or not (grad_follows or in_training_step):
-            self.reshard()
+            self.reshard(to_post_forward=grad_follows)  # (reshard_after_forward=N)
         if self.is_root:
             self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
-        return None
+        return output
 
     # ----------------------------------------------------------------- backward
     def _pre_backward(self, _grad) -> None:
@@ -216,7 +242,11 @@ class Unit:
             return
         trace("post_backward", self.fqn, self.state.name)
         self.state = TrainingState.POST_BACKWARD
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        if not self.requires_gradient_sync:
+            for g in self.trainable:
+                g.stash_unsynced_grad()
         ctx.grads_ready(self)
 
     def launch_reduce_scatters(self) -> list:
@@ -229,7 +259,11 @@ class Unit:
         """Called by the root's final callback, for every unit."""
         self.pinned = False
         self._uses_seen = 0
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        else:
+            for g in self.groups:
+                g.keep_unsharded()
         self._ready.clear()
         self._forward_depth = 0
         self.state = TrainingState.IDLE

@@ -42,3 +42,46 @@ class CommStats:
     reduce_scatter_bytes: int = 0
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Per-unit mixed precision, as ``fully_shard(..., mp_policy=)`` (same names as FSDP2).
+
+    ``param_dtype``: the dtype the unit computes in. The fp32 (or whatever the
+    parameters are) sharded master is cast in one pass straight into the
+    all-gather input; gradients come out of backward in this dtype.
+    ``reduce_dtype``: the dtype of the gradient reduce-scatter (default:
+    ``param_dtype``); the result is accumulated into the master-dtype gradient
+    shard. In fp16/bf16 the reduction divides before and after the sum so
+    partial sums stay in range. fp16 gradients also need loss scaling
+    (``torch.amp.GradScaler``): the policy does not scale the loss.
+    ``output_dtype``: cast the unit's floating-point outputs to this dtype.
+    ``cast_forward_inputs``: cast floating-point forward inputs to
+    ``param_dtype`` (e.g. an fp32 norm unit next to bf16 blocks:
+    ``MixedPrecisionPolicy(param_dtype=torch.float32)``).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (the default). Subclassed by ``CPUOffloadPolicy``."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on CPU.
+
+    The shard is copied to the device (cast to ``param_dtype`` in the same
+    pass) right before its all-gather, and the gradient shard back after the
+    reduce-scatter; the optimizer steps on CPU. ``pin_memory``: page-lock the
+    CPU shards (faster, asynchronous host-to-device copies; CUDA only).
+    Parameters may start on CPU or on the mesh's device.
+    """
+
+    pin_memory: bool = True

@@ -86,8 +86,13 @@ def _errors(rank, world):
     shard(meta)
     out["meta"] = _error(lambda: meta(torch.randn(2, 3)))
 
-    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("rep", "shard"))
-    out["mesh_2d"] = _error(lambda: fully_shard(Net(), mesh=mesh2d))
+    mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "rep", "shard"))
+    out["mesh_3d"] = _error(lambda: fully_shard(Net(), mesh=mesh3d))
+    out["raf_not_divisor"] = _error(lambda: fully_shard(Net(), reshard_after_forward=world + 1))
+    out["mp_policy_type"] = _error(lambda: fully_shard(Net(), mp_policy=torch.bfloat16))
+    out["mp_policy_int_dtype"] = _error(
+        lambda: fully_shard(Net(), mp_policy=fsdp_compose.MixedPrecisionPolicy(param_dtype=torch.int8)))
+    out["offload_type"] = _error(lambda: fully_shard(Net(), offload_policy=True))
 
     stranger = nn.Parameter(torch.zeros(3))
     out["ignored_not_param"] = _error(lambda: fully_shard(Net(), ignored_params=[stranger]))
@@ -119,7 +124,11 @@ def errors():
     ("twice_named", "ValueError", ["unit 'layers.1'", "already applied"]),
     ("tied_across_units", "ValueError", ["'weight'", "fully_shard([module_a, module_b])"]),
     ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device", "before calling fully_shard"]),
-    ("mesh_2d", "ValueError", ["1-D", "mesh['dp']"]),
+    ("mesh_3d", "ValueError", ["1-D", "2-D (replicate, shard)", "mesh['dp']"]),
+    ("raf_not_divisor", "ValueError", ["Net", "reshard_after_forward=", "divides the shard world size"]),
+    ("mp_policy_type", "TypeError", ["Net", "MixedPrecisionPolicy", "torch.bfloat16"]),
+    ("mp_policy_int_dtype", "ValueError", ["param_dtype", "floating-point", "torch.int8"]),
+    ("offload_type", "TypeError", ["CPUOffloadPolicy()", "True"]),
     ("ignored_not_param", "ValueError", ["not a parameter of this module", "(3,)"]),
     ("module_list", "ValueError", ["ModuleList", "each block"]),
     ("moved_after", "RuntimeError", ["<root>", "'inp.weight'", "before calling fully_shard"]),
