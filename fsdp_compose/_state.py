@@ -110,8 +110,9 @@ class RootContext:
                 # after optimizer.step(), unless the user pinned it. Kept by
                 # set_reshard_after_backward(False): only if no shard changed.
                 if u.is_unsharded and not u.pinned:
-                    if u.reshard_after_backward or u.is_stale():
+                    if not u.kept_after_backward or u.is_stale():
                         u.reshard()
+                u.kept_after_backward = False
 
     def record_forward(self, unit: Unit) -> None:
         self._step_order.setdefault(unit, None)

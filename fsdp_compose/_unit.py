@@ -46,6 +46,7 @@ class Unit:
         # nothing, unless an optimizer step changed a shard meanwhile)
         self.reshard_after_backward = True
         self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
+        self.kept_after_backward = False  # left gathered by the last backward (see above)
         mp = mp_policy
         self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
         self._cast_outputs = mp.output_dtype if mp is not None else None
@@ -264,6 +265,7 @@ class Unit:
         else:
             for g in self.groups:
                 g.keep_unsharded()
+            self.kept_after_backward = True
         self._ready.clear()
         self._forward_depth = 0
         self.state = TrainingState.IDLE
