@@ -11,6 +11,7 @@ from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
                            register_fsdp_forward_method)
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
+from ._checkpoint import get_state_dict, set_state_dict
 from .clip import clip_grad_norm_
 
 __all__ = [
@@ -30,5 +31,7 @@ __all__ = [
     "record_schedule",
     "TrainingState",
     "ShardedState",
+    "get_state_dict",
+    "set_state_dict",
 ]
 __version__ = "0.1.0"

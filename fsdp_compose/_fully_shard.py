@@ -408,6 +408,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         g.install_sharded()
         for e in g.entries:
             _SHARDED[e.sharded] = (g, e)
+    from ._checkpoint import register_hooks; register_hooks(unit)  # noqa: E702 state-dict hooks
     for p, _, _ in params:
         _REPLACED[p] = unit
     for m in modules:

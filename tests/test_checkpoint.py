@@ -1,0 +1,499 @@
+"""Checkpoints: sharded state dicts through DCP, resharding, interop, full state
+dicts, optimizer state, and meta-device init.
+
+Three multi-process launches (2, then 1, then 4 ranks; module-scoped fixture)
+run every scenario; the tests assert on what the ranks returned. Every rank
+also trains a single-process reference model on the same global batches, and
+results are compared with it step by step.
+
+The model has what makes checkpoints hard: a tied embedding/head (one list
+unit), a float64 parameter next to float32 ones and a frozen parameter in the
+root unit, a buffer, and parameters split mid-row across ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_compose
+from fsdp_compose import comm_stats, fully_shard, get_state_dict, reset_comm_stats, set_state_dict
+from fsdp_compose._checkpoint import flat_boxes
+
+from ._dist import run_distributed
+
+V, D, ROWS, T = 13, 8, 8, 5   # vocab, width, global batch rows, tokens per row
+SAVE_AT, STEPS = 3, 6
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.lin1 = nn.Linear(d, 2 * d + 1)
+        self.lin2 = nn.Linear(2 * d + 1, d)
+
+    def forward(self, x):
+        return x + self.lin2(torch.relu(self.lin1(x)))
+
+
+class Scale(nn.Module):
+    """A float64 parameter (mixed dtypes in the root unit)."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(d, dtype=torch.float64))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.uniform_(self.w, 0.5, 1.5)
+
+    def forward(self, x):
+        return x * self.w.to(x.dtype)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.scale = Scale()
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.embed.weight          # tied embedding / head
+        self.norm.bias.requires_grad_(False)          # frozen
+        self.register_buffer("pos", torch.arange(D, dtype=torch.float32) / D)
+
+    def forward(self, tok):
+        x = self.embed(tok) + self.pos
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(self.scale(x)))
+
+
+def shard_ours(model: Net) -> Net:
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard([model.embed, model.head])            # the tied pair: one list unit
+    return fully_shard(model)                         # scale (f64) + norm (frozen bias)
+
+
+def shard_fsdp2(model: Net) -> Net:
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    for layer in model.layers:
+        fsdp2_shard(layer)
+    fsdp2_shard(model.scale)                          # FSDP2 wants one dtype per unit
+    return fsdp2_shard(model)
+
+
+def make_optim(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batch(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    tok = torch.randint(V, (ROWS, T), generator=g)
+    tgt = torch.randint(V, (ROWS, T), generator=g)
+    k = ROWS // world
+    return tok[rank * k:(rank + 1) * k], tgt[rank * k:(rank + 1) * k]
+
+
+def train(model, opt, steps, rank, world) -> list[float]:
+    """Local losses (the mean over ranks is the global loss: equal rows per rank)."""
+    losses = []
+    for s in steps:
+        tok, tgt = batch(s, rank, world)
+        loss = F.cross_entropy(model(tok).reshape(-1, V), tgt.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def global_losses(per_rank: list[list[float]]) -> list[float]:
+    return [sum(xs) / len(xs) for xs in zip(*per_rank)]
+
+
+def reference(steps) -> tuple[Net, torch.optim.Optimizer, list[float]]:
+    torch.manual_seed(0)
+    ref = Net()
+    opt = make_optim(ref)
+    return ref, opt, train(ref, opt, steps, 0, 1)
+
+
+def local_snapshot(model, opt) -> dict:
+    """This rank's parameter shards and optimizer state, by FQN (exact copies)."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {}
+    for n, p in model.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            state[f"{n}/{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    return {"params": params, "state": state}
+
+
+def snapshots_equal(a: dict, b: dict) -> list[str]:
+    bad = []
+    for part in ("params", "state"):
+        if a[part].keys() != b[part].keys():
+            bad.append(f"{part} keys differ: {sorted(a[part].keys() ^ b[part].keys())}")
+            continue
+        for k in a[part]:
+            x, y = a[part][k], b[part][k]
+            if isinstance(x, torch.Tensor):
+                if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+                    bad.append(f"{part} {k}")
+            elif x != y:
+                bad.append(f"{part} {k}: {x} != {y}")
+    return bad
+
+
+def ours_fresh(seed: int):
+    torch.manual_seed(seed)
+    model = shard_ours(Net())
+    return model, make_optim(model)
+
+
+def resume_ours(path: str, seed: int = 1):
+    """A differently-initialised sharded model, loaded from ``path`` (DCP)."""
+    model, opt = ours_fresh(seed)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return model, opt
+
+
+def torch_dsd():
+    from torch.distributed.checkpoint import state_dict as dsd
+    return dsd
+
+
+def resume_torch(model, path: str):
+    """Load ``path`` into a plain or FSDP2 model with torch's own DCP helpers."""
+    dsd = torch_dsd()
+    opt = make_optim(model)
+    msd, osd = dsd.get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    dsd.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return opt
+
+
+def save_torch(model, opt, path: str) -> None:
+    msd, osd = torch_dsd().get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+# ------------------------------------------------------ collective counting
+_COLLECTIVES = ["all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
+                "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "broadcast", "broadcast_object_list", "barrier",
+                "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+                "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+                "monitored_barrier"]
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Counts collectives three ways: our comm_stats, torch's CommDebugMode (every
+    c10d op that reaches the dispatcher), and patched torch.distributed functions."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor.debug import CommDebugMode
+    calls: list[str] = []
+    counts = {}
+
+    def counting(name, fn):
+        def wrapper(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for ns in (dist, distributed_c10d):
+            for name in _COLLECTIVES:
+                if hasattr(ns, name):
+                    stack.enter_context(mock.patch.object(ns, name, counting(name, getattr(ns, name))))
+        cdm = stack.enter_context(CommDebugMode())
+        reset_comm_stats()
+        yield counts
+    st = comm_stats()
+    counts["ours"] = st.all_gather_calls + st.reduce_scatter_calls + st.all_reduce_calls
+    counts["dispatcher"] = cdm.get_total_counts()
+    counts["python"] = len(calls)
+
+
+# ------------------------------------------------------------ rank bodies
+def _check_full(full_msd, full_osd, ref, ref_opt) -> list[str]:
+    bad = []
+    want_msd, want_osd = torch_dsd().get_state_dict(ref, ref_opt)
+    if list(full_msd) != list(want_msd):
+        bad.append(f"model keys {list(full_msd)} != {list(want_msd)}")
+    for k, v in want_msd.items():
+        got = full_msd.get(k)
+        if not isinstance(got, torch.Tensor) or got.dtype != v.dtype or got.shape != v.shape \
+                or not torch.allclose(got, v, rtol=RTOL, atol=ATOL):
+            bad.append(f"model {k}")
+    if full_osd["param_groups"] != want_osd["param_groups"]:
+        bad.append(f"param_groups {full_osd['param_groups']} != {want_osd['param_groups']}")
+    if full_osd["state"].keys() != want_osd["state"].keys():
+        bad.append(f"optim state keys {sorted(full_osd['state'])} != {sorted(want_osd['state'])}")
+    for fqn, st in want_osd["state"].items():
+        for k, v in st.items():
+            got = full_osd["state"].get(fqn, {}).get(k)
+            if not isinstance(got, torch.Tensor) or got.shape != v.shape or \
+                    not torch.allclose(got, v, rtol=RTOL, atol=ATOL):
+                bad.append(f"optim {fqn} {k}")
+    return bad
+
+
+def _save_run(rank, world, root):
+    out = {}
+    ours = os.path.join(root, "ours")
+    ref, ref_opt, ref_losses = reference(range(SAVE_AT))
+    model, opt = ours_fresh(0)
+    out["losses_before"] = train(model, opt, range(SAVE_AT), rank, world)
+
+    # model.state_dict() / get_state_dict: no collective of any kind
+    with count_collectives() as sharded_counts:
+        sd = model.state_dict()
+        msd, osd = get_state_dict(model, opt)
+    out["sharded_counts"] = sharded_counts
+    with count_collectives() as full_counts:  # the counters do see collectives
+        full_msd, full_osd = get_state_dict(model, opt, full_state_dict=True)
+        dist.barrier()  # (ours go through our own handle on torch's function)
+    out["full_counts"] = full_counts
+    out["sd_types"] = sorted({type(v).__name__ for v in sd.values()})
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out["views"] = all(  # boxes are views of the shards: DCP loads in place
+        s.tensor.untyped_storage().data_ptr() == params[k].untyped_storage().data_ptr()
+        for k, v in sd.items() if k in params for s in v.local_shards())
+    out["sd_keys"] = list(sd) == list(ref.state_dict())
+    out["full_vs_ref"] = _check_full(full_msd, full_osd, ref, ref_opt)
+    off_msd, off_osd = get_state_dict(model, opt, full_state_dict=True, cpu_offload=True)
+    if rank == 0:
+        out["offload_vs_ref"] = _check_full(off_msd, off_osd, ref, ref_opt)
+    else:
+        out["offload_vs_ref"] = [] if (off_msd, off_osd) == ({}, {}) else ["rank 1 kept data"]
+
+    # save (sharded, through DCP), then go on: the uninterrupted run
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ours)
+    at_save = local_snapshot(model, opt)
+
+    # optimizer + model round trip through the full state dict
+    train(model, opt, [SAVE_AT], rank, world)       # perturb
+    set_state_dict(model, opt, model_state_dict=full_msd, optim_state_dict=full_osd)
+    out["full_round_trip"] = [x for x in snapshots_equal(local_snapshot(model, opt), at_save)
+                              if not x.startswith("state")] + \
+        _close_state(local_snapshot(model, opt), at_save)
+    out["uninterrupted"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+
+    # resume at the same world size, from DCP: exact state, exact losses
+    model2, opt2 = ours_fresh(1)
+    out["fresh_differs"] = bool(snapshots_equal(local_snapshot(model2, opt2), at_save))
+    model2, opt2 = resume_ours(ours)
+    out["dcp_round_trip"] = snapshots_equal(local_snapshot(model2, opt2), at_save)
+    out["resumed"] = train(model2, opt2, range(SAVE_AT, STEPS), rank, world)
+
+    # ours (2 ranks) -> torch FSDP2 (2 ranks)
+    torch.manual_seed(2)
+    f2 = shard_fsdp2(Net())
+    f2_opt = resume_torch(f2, ours)
+    out["fsdp2_from_ours"] = train(f2, f2_opt, range(SAVE_AT, STEPS), rank, world)
+
+    # torch FSDP2 trains 3 steps from the same init and saves (loaded at 1 and 4 ranks)
+    torch.manual_seed(0)
+    f2 = shard_fsdp2(Net())
+    f2_opt = make_optim(f2)
+    out["fsdp2_before"] = train(f2, f2_opt, range(SAVE_AT), rank, world)
+    save_torch(f2, f2_opt, os.path.join(root, "fsdp2"))
+    out["ref_losses"] = ref_losses
+    return out
+
+
+def _close_state(a, b) -> list[str]:
+    return [k for k in a["state"] if not torch.allclose(torch.as_tensor(a["state"][k]),
+                                                         torch.as_tensor(b["state"][k]),
+                                                         rtol=RTOL, atol=ATOL)]
+
+
+def _resume_run(rank, world, root):
+    """At 1 or 4 ranks: resume ours, load FSDP2's and a plain module's checkpoints."""
+    out = {}
+    model, opt = resume_ours(os.path.join(root, "ours"))
+    out["resumed"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    model, opt = resume_ours(os.path.join(root, "fsdp2"), seed=3)
+    out["from_fsdp2"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    if world == 1:
+        # ours (saved at 2) -> a plain nn.Module; and a plain module saves
+        torch.manual_seed(4)
+        plain = Net()
+        opt = resume_torch(plain, os.path.join(root, "ours"))
+        out["plain_from_ours"] = train(plain, opt, range(SAVE_AT, STEPS), rank, world)
+        plain, opt, _ = reference(range(SAVE_AT))
+        save_torch(plain, opt, os.path.join(root, "plain"))
+        out["errors"] = _load_errors()
+    else:
+        model, opt = resume_ours(os.path.join(root, "plain"), seed=5)
+        out["from_plain"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    return out
+
+
+def _load_errors() -> dict:
+    model, opt = ours_fresh(0)
+    errs = {}
+    sd = {k: v for k, v in Net().state_dict().items()}
+    sd["layers.0.lin1.weight"] = torch.zeros(3, 3)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        errs["shape"] = str(e)
+    try:
+        get_state_dict(model, opt, cpu_offload=True)
+    except ValueError as e:
+        errs["offload"] = str(e)
+    # full tensors load (each rank copies its piece)
+    torch.manual_seed(7)
+    src = Net()
+    model.load_state_dict(src.state_dict())
+    full, _ = get_state_dict(model, [], full_state_dict=True)
+    errs["full_load_ok"] = all(torch.equal(full[k], v) for k, v in src.state_dict().items())
+    return errs
+
+
+# ------------------------------------------------------------------ fixture
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory(prefix="fsdp_ckpt_") as root:
+        res = {2: run_distributed(_save_run, 2, root)}
+        res[1] = run_distributed(_resume_run, 1, root)
+        res[4] = run_distributed(_resume_run, 4, root)
+        res["ref"] = reference(range(STEPS))[2]
+        res["files"] = _tools_check(os.path.join(root, "ours"), root)
+        yield res
+
+
+def _close(a, b) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL)
+                                    for x, y in zip(a, b))
+
+
+# -------------------------------------------------------------------- tests
+def test_flat_boxes_tile_the_range():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(), (7,), (3, 4), (2, 3, 5), (4, 1, 3, 2), (5, 0, 2)]:
+        n = math.prod(shape)
+        full = torch.arange(n).reshape(shape)
+        for _ in range(30):
+            a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+            boxes = flat_boxes(shape, a, b)
+            got = [full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+                   for off, size in boxes]
+            got = torch.cat(got) if got else torch.zeros(0, dtype=full.dtype)
+            assert torch.equal(got, full.reshape(-1)[a:b]), (shape, a, b, boxes)
+            assert len(boxes) <= max(1, 2 * len(shape) - 1)
+
+
+def test_state_dict_issues_no_collective(runs):
+    for r in runs[2]:
+        assert r["sharded_counts"] == {"ours": 0, "dispatcher": 0, "python": 0}
+        assert all(v > 0 for v in r["full_counts"].values()), r["full_counts"]
+        assert r["sd_types"] == ["ShardedTensor", "Tensor"]  # parameters; the buffer
+        assert r["sd_keys"]
+        assert r["views"]
+
+
+def test_full_state_dict_equals_reference(runs):
+    for r in runs[2]:
+        assert r["full_vs_ref"] == []
+        assert r["offload_vs_ref"] == []
+
+
+def test_optimizer_state_round_trip(runs):
+    for r in runs[2]:
+        assert r["fresh_differs"]          # the check below can fail
+        assert r["dcp_round_trip"] == []   # exact, through DCP
+        assert r["full_round_trip"] == []  # through full tensors
+
+
+def test_resume_at_1_2_4_ranks_matches_uninterrupted(runs):
+    ref = runs["ref"]
+    assert _close(global_losses([r["losses_before"] for r in runs[2]]), ref[:SAVE_AT])
+    uninterrupted = global_losses([r["uninterrupted"] for r in runs[2]])
+    assert _close(uninterrupted, ref[SAVE_AT:])
+    # same world size: bit-identical to not stopping
+    assert global_losses([r["resumed"] for r in runs[2]]) == uninterrupted
+    for world in (1, 4):
+        assert _close(global_losses([r["resumed"] for r in runs[world]]), ref[SAVE_AT:]), world
+
+
+def test_dcp_interop_plain_module(runs):
+    ref = runs["ref"][SAVE_AT:]
+    assert _close(runs[1][0]["plain_from_ours"], ref)                        # ours -> plain
+    assert _close(global_losses([r["from_plain"] for r in runs[4]]), ref)    # plain -> ours
+
+
+def test_dcp_interop_torch_fsdp2(runs):
+    ref = runs["ref"]
+    assert _close(global_losses([r["fsdp2_before"] for r in runs[2]]), ref[:SAVE_AT])
+    assert _close(global_losses([r["fsdp2_from_ours"] for r in runs[2]]), ref[SAVE_AT:])
+    for world in (1, 4):  # FSDP2 (saved at 2) -> ours at 1 and 4
+        assert _close(global_losses([r["from_fsdp2"] for r in runs[world]]), ref[SAVE_AT:])
+
+
+def test_load_errors_name_the_fqn(runs):
+    errs = runs[1][0]["errors"]
+    assert "'layers.0.lin1.weight'" in errs["shape"] and "(3, 3)" in errs["shape"] \
+        and "(17, 8)" in errs["shape"], errs["shape"]
+    assert "full_state_dict=True" in errs["offload"]
+    assert errs["full_load_ok"]
+
+
+# -------------------------------------------------------------------- tools
+def _tools_check(path: str, root: str) -> dict:
+    from tools import dcp_inspect, dcp_to_torch
+    out = {}
+    pt = os.path.join(root, "model.pt")
+    dcp_to_torch.main([path, pt])
+    out["pt"] = torch.load(pt, weights_only=False)
+    st = os.path.join(root, "model.safetensors")
+    dcp_to_torch.main([path, st, "--key", "model"])
+    from safetensors.torch import load_file
+    out["st"] = load_file(st)
+    lines = dcp_inspect.describe(path)
+    out["inspect"] = lines
+    help_ = subprocess.run([sys.executable, "-m", "tools.dcp_to_torch", "--help"],
+                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+                               os.path.abspath(__file__))))
+    out["help"] = help_.stdout
+    return out
+
+
+def test_tools_convert_and_inspect(runs):
+    files = runs["files"]
+    torch.manual_seed(0)
+    ref = Net()
+    ref_sd = ref.state_dict()
+    pt = files["pt"]
+    assert set(pt) == {"model", "optim"}
+    assert pt["model"].keys() == ref_sd.keys()
+    assert {k: (v.shape, v.dtype) for k, v in pt["model"].items()} == \
+        {k: (v.shape, v.dtype) for k, v in ref_sd.items()}
+    assert files["st"].keys() == ref_sd.keys()
+    assert all(torch.equal(files["st"][k], pt["model"][k]) for k in ref_sd)
+    plain = Net()
+    plain.load_state_dict(files["st"])                  # loads into a plain module
+    assert any("embed.weight" in line and "(13, 8)" in line and "float32" in line
+               for line in files["inspect"]), files["inspect"]
+    assert any("scale.w" in line and "float64" in line for line in files["inspect"])
+    assert "usage" in files["help"]
