@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import _collectives
 from ._common import ShardedState, unit_error
@@ -79,6 +80,15 @@ def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None
     return float(f), total / f
 
 
+class TPSpec(NamedTuple):
+    """How a tensor-parallel (DTensor) parameter is re-exposed while unsharded."""
+
+    mesh: object          # the DTensor's DeviceMesh (e.g. mesh["tp"])
+    placements: tuple
+    shape: torch.Size     # its global shape
+    stride: tuple
+
+
 class PostForward(NamedTuple):
     """The smaller group a unit reshards to after forward (reshard_after_forward=int)."""
 
@@ -99,6 +109,7 @@ class ParamEntry:
     shard_range: tuple[int, int]    # the same elements' place in the local shard
     sharded: nn.Parameter = None    # 1-D view of the local shard
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
+    tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
 
     @property
     def numel(self) -> int:
@@ -154,14 +165,17 @@ class FlatGroup:
         align = max(1, ALIGN_BYTES // itemsize)
         entries, split_sizes, view_at = [], [], []
         offset = 0
-        for p, slots, fqn in params:
-            n = p.numel()
+        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _, _ in params]
+        for (p, slots, fqn), local in zip(params, locals_):
+            n = local.numel()
             view_at.append(len(split_sizes))
             split_sizes.append(n)
             end = _ceil_to(offset + n, align)
             if end > offset + n:
                 split_sizes.append(end - offset - n)  # gap: padding
-            entries.append(ParamEntry(fqn, p.shape, offset, slots, (0, 0), (0, 0)))
+            tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+                  if isinstance(p, DTensor) else None)
+            entries.append(ParamEntry(fqn, local.shape, offset, slots, (0, 0), (0, 0), tp=tp))
             offset = end
         self.padded_numel = _ceil_to(max(offset, 1), world * align)
         if self.padded_numel > offset:
@@ -176,12 +190,13 @@ class FlatGroup:
                 e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
 
         self._grad_hook = None
-        self._allocate(torch.device("meta") if first.is_meta else device)
+        self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
-            for e, (p, _, _) in zip(entries, params):
+            for e, (p, _, _), local in zip(entries, params, locals_):
                 e.sharded.__dict__.update(p.__dict__)  # user attributes survive
-                if not p.is_meta and e.local_range[1] > e.local_range[0]:
-                    self.shard[slice(*e.shard_range)].copy_(p.detach().reshape(-1)[slice(*e.local_range)])
+                if not local.is_meta and e.local_range[1] > e.local_range[0]:
+                    src = local.detach().reshape(-1)[slice(*e.local_range)]
+                    self.shard[slice(*e.shard_range)].copy_(src)
 
         self._grad_shard_ref = None   # weakref: see _adopt_grad_shard
         self._grad_view_refs = None
@@ -241,7 +256,11 @@ class FlatGroup:
         """Re-make the full-shape views (and their one split node), see the Note."""
         chunks = torch.split(self.flat, self._split_sizes)
         for e, i in zip(self.entries, self._view_at):
-            e.unsharded = chunks[i].view(e.shape)
+            v = chunks[i].view(e.shape)
+            if e.tp is not None:  # the module sees its TP DTensor; grads flow to v
+                v = DTensor.from_local(v, e.tp.mesh, e.tp.placements, run_check=False,
+                                       shape=e.tp.shape, stride=e.tp.stride)
+            e.unsharded = v
         self._views_installed = False
 
     def install_sharded(self) -> None:

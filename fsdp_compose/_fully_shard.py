@@ -475,4 +475,6 @@ def param_info(param: torch.Tensor):
                          f"fully_shard (shape {tuple(param.shape)}). Pass one of "
                          "model.parameters() after fully_shard, while the model is sharded.")
     g, e = hit
+    if e.tp is not None:
+        return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn, e.tp.placements, e.tp.shape)
     return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn)

@@ -16,12 +16,17 @@ class ParamInfo:
     tensor equals ``full_param.flatten()[start:end]`` (``start == end`` when
     this rank holds none of it).
     ``unit_fqn``: the fully_shard unit that owns it.
+    ``placements`` / ``tp_shape``: for a tensor-parallel (DTensor) parameter,
+    its placements on its TP mesh and its global shape; ``shape`` is then the
+    shape of this rank's TP shard (what the flat buffer holds). None otherwise.
     """
 
     fqn: str
     shape: torch.Size
     local_range: tuple[int, int]
     unit_fqn: str
+    placements: tuple | None = None
+    tp_shape: torch.Size | None = None
 
     @property
     def numel(self) -> int:

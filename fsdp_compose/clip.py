@@ -1,62 +1,95 @@
-"""clip_grad_norm_: the true global gradient norm across ranks."""
+"""clip_grad_norm_: the true global gradient norm across every mesh dim.
+
+Each parameter's gradient contributes ``Σ|g|^p`` over the elements this rank
+holds, and that sum must be reduced over exactly the ranks that hold
+*different* elements of it, never over ranks that hold copies:
+
+- a parameter sharded by ``fully_shard``: over its shard group (not over HSDP
+  replicas, which hold copies), and, if it is a tensor-parallel DTensor, also
+  over every TP mesh dim on which it is ``Shard``-placed (``Replicate`` dims
+  hold copies);
+- a DTensor parameter not sharded by us: over its ``Shard`` mesh dims;
+- any other parameter: replicated, counted once, no reduction.
+
+So parameters fall into a few classes by the tuple of process groups to reduce
+over; each class's partial sum is all-reduced over its groups (in the order
+the classes first appear in ``parameters``, the same on every rank because
+every rank holds every parameter), and the classes are added. torch's own
+``clip_grad_norm_`` cannot mix plain and DTensor gradients of different meshes.
+"""
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from . import _collectives
 from ._fully_shard import _SHARDED
 
 
+def _shard_groups(mesh, placements) -> tuple:
+    return tuple(mesh.get_group(d) for d, pl in enumerate(placements) if isinstance(pl, Shard))
+
+
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients in place by their global norm; return that norm.
+    """Clip gradients in place by their global norm; return that norm (a plain tensor).
 
-    Each rank holds disjoint slices of the sharded parameters, so the global
-    norm is ``(Σ_ranks Σ_local |g|^p)^(1/p)`` (max for ``inf``). Padding is in
-    no parameter, so it never counts. Parameters not sharded by fully_shard
-    are treated as replicated: counted once, not once per rank.
+    Works for any mix of parameters sharded by ``fully_shard`` (1-D, HSDP,
+    tensor-parallel inside units), DTensor parameters, and plain replicated
+    parameters. Padding is in no parameter, so it never counts. Every rank
+    must pass the same parameters (as ``model.parameters()`` gives).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
-    sharded, replicated = [], []
-    group = None
+    inf = norm_type == float("inf")
+    classes: dict[tuple, list[torch.Tensor]] = {}
+    device = None
     for p in params:
-        if p.grad is None:
-            continue
         hit = _SHARDED.get(p)
-        if hit is None:
-            replicated.append(p.grad)
-            continue
-        g = hit[0].pg
-        if group is not None and g is not group:
-            raise ValueError("fsdp_compose.clip_grad_norm_: parameters are sharded over different "
-                             "process groups; pass the parameters of one mesh at a time.")
-        group = g
-        sharded.append(p.grad)
-    device = (sharded or replicated or [torch.zeros(0)])[0].device
-    local = _norm(sharded, norm_type, device)
-    if group is not None:
-        if norm_type == float("inf"):
-            _collectives.all_reduce(local, dist.ReduceOp.MAX, group)
+        if hit is not None:
+            g, e = hit
+            key = (g.pg,) + (_shard_groups(e.tp.mesh, e.tp.placements) if e.tp else ())
+        elif isinstance(p, DTensor):
+            key = _shard_groups(p.device_mesh, p.placements)
         else:
-            local = local.pow(norm_type)
-            _collectives.all_reduce(local, dist.ReduceOp.SUM, group)
-            local = local.pow(1.0 / norm_type)
-    if replicated:
-        total = _norm([local.reshape(1), _norm(replicated, norm_type, device).reshape(1)],
-                      norm_type, device)
-    else:
-        total = local
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            key = ()
+        key = tuple(pg for pg in key if dist.get_world_size(pg) > 1)
+        grads = classes.setdefault(key, [])  # every rank gets the same classes
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grads.append(grad)
+            device = device or grad.device
+    device = device or torch.device("cpu")
+    total = None
+    for key, grads in classes.items():
+        part = _local_norm(grads, norm_type, device)
+        if not inf:
+            part = part.pow(norm_type)
+        for pg in key:
+            _collectives.all_reduce(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, pg)
+        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
+    if total is None:
+        total = torch.zeros((), device=device)
+    elif not inf:
+        total = total.pow(1.0 / norm_type)
+    # plain gradients (ours included): torch's foreach path; epsilon added once
+    plain = [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p in params:
+            if isinstance(p.grad, DTensor):
+                local = p.grad.to_local()
+                local.mul_(coef.to(local.device, local.dtype))
     return total
 
 
-def _norm(tensors: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+def _local_norm(tensors: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
     # a rank may hold 0 elements of a parameter; the inf-norm of nothing is undefined
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
-        return torch.zeros((), device=device)
-    return torch.nn.utils.get_total_norm(tensors, norm_type).to(torch.float32)
+        return torch.zeros((), device=device, dtype=torch.float32)
+    return torch.nn.utils.get_total_norm(tensors, norm_type).to(device, torch.float32)
