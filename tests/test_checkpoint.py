@@ -76,6 +76,9 @@ class Net(nn.Module):
         self.norm.bias.requires_grad_(False)          # frozen
         self.register_buffer("pos", torch.arange(D, dtype=torch.float32) / D)
 
+    def reset_parameters(self):  # the buffer, for materialize (eager: set above)
+        self.pos.copy_(torch.arange(D, dtype=torch.float32) / D)
+
     def forward(self, tok):
         x = self.embed(tok) + self.pos
         for layer in self.layers:
@@ -318,6 +321,7 @@ def _save_run(rank, world, root):
     out["fsdp2_before"] = train(f2, f2_opt, range(SAVE_AT), rank, world)
     save_torch(f2, f2_opt, os.path.join(root, "fsdp2"))
     out["ref_losses"] = ref_losses
+    out["meta"] = _meta_parity(rank, world)
     return out
 
 
@@ -346,6 +350,7 @@ def _resume_run(rank, world, root):
     else:
         model, opt = resume_ours(os.path.join(root, "plain"), seed=5)
         out["from_plain"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    out["meta"] = _meta_parity(rank, world)
     return out
 
 
@@ -369,6 +374,45 @@ def _load_errors() -> dict:
     full, _ = get_state_dict(model, [], full_state_dict=True)
     errs["full_load_ok"] = all(torch.equal(full[k], v) for k, v in src.state_dict().items())
     return errs
+
+
+class NoInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.w = nn.Parameter(torch.ones(4))  # no reset_parameters initialises it
+
+    def forward(self, x):
+        return self.lin(x) * self.w.sum()
+
+
+def _meta_parity(rank, world) -> dict:
+    """meta build + fully_shard + materialize == eager build, bitwise, same RNG after."""
+    torch.manual_seed(0)
+    eager = Net()
+    rng_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Net()
+    shard_ours(model)
+    fsdp_compose.materialize(model)
+    out = {"rng": torch.equal(torch.get_rng_state(), rng_eager)}
+    full, _ = get_state_dict(model, [], full_state_dict=True)
+    want = eager.state_dict()
+    out["diff"] = [k for k, v in want.items()
+                   if k not in full or full[k].dtype != v.dtype or not torch.equal(full[k], v)]
+    out["tied"] = model.head.weight is model.embed.weight
+    out["frozen"] = not model.norm.bias.requires_grad
+    out["loss"] = train(model, make_optim(model), range(1), rank, world)
+    with torch.device("meta"):
+        bad = NoInit()
+    fully_shard(bad)
+    try:
+        fsdp_compose.materialize(bad)
+        out["error"] = "no error"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
 
 
 # ------------------------------------------------------------------ fixture
@@ -497,3 +541,14 @@ def test_tools_convert_and_inspect(runs):
                for line in files["inspect"]), files["inspect"]
     assert any("scale.w" in line and "float64" in line for line in files["inspect"])
     assert "usage" in files["help"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_meta_init_parity_bitwise(runs, world):
+    ref = runs["ref"]
+    for r in runs[world]:
+        m = r["meta"]
+        assert m["diff"] == [] and m["rng"] and m["tied"] and m["frozen"]
+    assert _close(global_losses([r["meta"]["loss"] for r in runs[world]]), ref[:1])
+    err = runs[world][0]["meta"]["error"]
+    assert "1 parameter(s)/buffer(s) were not initialised: w." in err, err

@@ -1,0 +1,159 @@
+"""materialize(): give a model built on the meta device, then sharded, real
+storage and the values eager construction would have given it.
+
+[Note: meta init parity]
+Eager construction under a seed draws random numbers module by module as
+each ``__init__`` runs: a parent's ``__init__`` builds its children (each
+initialising itself) and then, by convention, initialises its own
+parameters (``reset_parameters()`` at the end of ``__init__``). So we visit
+modules in *post-order* (children first, in registration order, then the
+parent), and call ``reset_parameters()`` (or ``init_fn(module)``) on each
+module that owns a parameter or buffer that was on the meta device.
+
+During that call the module's own parameters are *full-shape* tensors on the
+real device (temporaries, NaN-filled), and every rank draws the same numbers
+(same RNG stream, same order); afterwards each rank copies its flat range
+into its shard and the temporaries are freed. No collective. Peak extra
+memory: one module's parameters.
+
+A parameter tied to an earlier module (an output head sharing the
+embedding's weight) was already initialised: the later module's init writes
+into a scratch tensor of the same shape, which it draws from the RNG exactly
+as eager construction did (eager construction initialised the head's own
+weight before the tie replaced it), and the scratch is discarded.
+
+A floating-point parameter or buffer still NaN afterwards was not
+initialised by its module: an error naming it (give the module a
+``reset_parameters()``, or pass ``init_fn``). Integer buffers are not checked.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._checkpoint import _SLOTS, _units
+from ._common import rank as _rank
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    out, seen = [], set()
+    stack = [("", model, False)]
+    while stack:
+        name, m, expanded = stack.pop()
+        if expanded:
+            out.append((name, m))
+            continue
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        stack.append((name, m, True))
+        kids = [(f"{name}.{n}" if name else n, c) for n, c in m._modules.items() if c is not None]
+        stack.extend((n, c, False) for n, c in reversed(kids))
+    return out
+
+
+def _blank(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    return t
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
+
+
+def materialize(model: nn.Module, *, device: torch.device | str | None = None,
+                init_fn=None) -> nn.Module:
+    """Allocate and initialise a model that was built on the meta device and sharded.
+
+    ``device``: where the shards (and meta buffers) go; default: the current
+    CUDA device with NCCL, else CPU. (With CPU offload the shards stay on CPU.)
+    ``init_fn``: called as ``init_fn(module)`` instead of
+    ``module.reset_parameters()``, for every module that owns something that
+    was on meta.
+
+    Modules are initialised in post-order (children, then the parent), with
+    full-shape parameters and the same RNG stream on every rank, so that
+    ``torch.manual_seed(s); with torch.device("meta"): m = Build(); shard(m);
+    materialize(m)`` gives bit-identical parameters to ``torch.manual_seed(s);
+    m = Build()`` at any world size (see the Note in ``_materialize.py``).
+    Build optimizers after this: the sharded Parameters are new objects.
+    """
+    from ._fully_shard import _SHARDED
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "meta":
+        raise ValueError("fsdp_compose.materialize: device must be a real device, not meta.")
+    meta_groups = [g for u in _units(model) for g in u.groups if g.device.type == "meta"]
+    for g in meta_groups:
+        g.materialize_(device)
+        for e in g.entries:
+            _SHARDED[e.sharded] = (g, e)
+    fresh = {id(g) for g in meta_groups}
+    done: set[int] = set()           # entries initialised
+    uninit: list[str] = []
+    for mname, m in _post_order(model):
+        slots = m.__dict__.get(_SLOTS, {})
+        pieces = []                  # (name, entry or None, temp, scratch)
+        temps: dict[int, torch.Tensor] = {}
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            hit = slots.get(name)
+            if hit is not None and id(hit[1]) in fresh:
+                _, g, e = hit
+                scratch = id(e) in done
+                if id(e) not in temps:
+                    temps[id(e)] = (torch.empty(e.shape, dtype=g.dtype, device=device) if scratch
+                                    else _blank(e.shape, g.dtype, device))
+                t = temps[id(e)]
+                m._parameters[name] = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
+                pieces.append((name, e, t, scratch))
+            elif hit is None and p.is_meta:  # not sharded by us: a real full Parameter
+                t = _blank(p.shape, p.dtype, device)
+                m._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+                pieces.append((name, None, t, False))
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = _blank(b.shape, b.dtype, device)
+                pieces.append((name, None, m._buffers[name], False))
+        if not pieces:
+            continue
+        try:
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(m)
+                elif callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+            for name, e, t, scratch in pieces:
+                if scratch:
+                    continue
+                if _has_nan(t):
+                    uninit.append(f"{mname}.{name}" if mname else name)
+                if e is not None:
+                    a, b = e.local_range
+                    with torch.no_grad():
+                        e.sharded.detach().copy_(t.reshape(-1)[a:b])
+                    done.add(id(e))
+        finally:
+            for name, e, t, scratch in pieces:
+                if e is not None:
+                    m._parameters[name] = e.sharded
+    missing = [e.fqn for g in meta_groups for e in g.entries if id(e) not in done]
+    bad = list(dict.fromkeys(uninit + missing))
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise RuntimeError(
+            f"fsdp_compose [rank {_rank()}] materialize: {len(bad)} parameter(s)/buffer(s) were "
+            f"not initialised: {shown}. Their module has no reset_parameters() or it left them "
+            "untouched; give the module a reset_parameters() that initialises them, or pass "
+            "materialize(model, init_fn=fn) with fn(module) initialising each module's own "
+            "parameters and buffers.")
+    return model
