@@ -298,6 +298,10 @@ def lazy_init_root(unit: Unit) -> None:
         u.ctx = ctx
         raf = u.user_reshard_after_forward
         u.reshard_after_forward = (u is not unit) if raf is None else bool(raf)
+        if u.groups and all(g._aliased for g in u.groups):
+            # world size 1, no cast/offload: the "unsharded" flat IS the shard,
+            # resharding frees nothing; skip the swap-out/swap-in per step
+            u.reshard_after_forward = False
     trace("lazy_init", unit.fqn, f"units={len(units)}")
 
 
