@@ -97,7 +97,9 @@ def sharded_value(g, e, local: torch.Tensor) -> torch.Tensor:
         o, s = (e.shape[0],) + (0,) * (len(e.shape) - 1), (0,) + tuple(e.shape[1:])
         mine = [(o, s, local[:0].view(s))]
         everyone.append((o, s, ranks[g.rank]))
-    return _compat.sharded_tensor(e.shape, local.dtype, mine, everyone, g.pg)
+    st = _compat.sharded_tensor(e.shape, local.dtype, mine, everyone, g.pg)
+    st._fsdp_compose_local = (e, local)  # set_state_dict adopts ``local`` (DCP loaded into it)
+    return st
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -112,9 +114,9 @@ def load_into(shape, local_range, value: Any, dst: torch.Tensor) -> str | None:
     shape = tuple(shape)
     a, b = local_range
     if _compat.is_sharded_tensor(value):
-        if tuple(value.size()) != shape:
-            return (f"the checkpoint's tensor has shape {tuple(value.size())}, the model's is "
-                    f"{shape}.")
+        theirs_shape = _compat.sharded_tensor_global_shape(value)
+        if theirs_shape != shape:
+            return f"the checkpoint's tensor has shape {theirs_shape}, the model's is {shape}."
         theirs = _compat.sharded_tensor_local_boxes(value)
         covered = 0
         for o, s, d in _box_views(shape, local_range, dst):
@@ -191,6 +193,7 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
         if g.device.type == "meta":
             error_msgs.append(_msg(key, "the model's parameters are on the meta device; call "
                                    "fsdp_compose.materialize(model) before loading."))
+            sd[key] = e.sharded
             continue
         if module._parameters.get(name) is not e.sharded:  # full-shape views installed
             if unit.state is not TrainingState.IDLE:
@@ -495,6 +498,9 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
     full = (isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(e.shape))
     if not (sharded or full):
         return v
+    src = getattr(v, "_fsdp_compose_local", None) if sharded else None
+    if src is not None and src[0] is e and src[1].shape == p.shape:
+        return src[1]  # our own get_state_dict's tensor, filled in place by DCP: no copy
     dst = torch.empty(p.shape, dtype=v.dtype, device=p.device)
     err = load_into(e.shape, e.local_range, v, dst)
     if err:

@@ -111,3 +111,9 @@ def is_sharded_tensor(value: Any) -> bool:
 def sharded_tensor_local_boxes(value: Any) -> list:
     """``[(offsets, tensor)]``: a ``ShardedTensor``'s boxes held by this rank."""
     return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+
+
+def sharded_tensor_global_shape(value: Any) -> tuple:
+    """A ``ShardedTensor``'s global shape, read from its metadata (``.size()``
+    goes through its deprecated ``__torch_function__``, which warns)."""
+    return tuple(value.metadata().size)

@@ -1,0 +1,151 @@
+"""Checkpoint save / load time and memory: fsdp_compose vs torch FSDP2, both through DCP.
+
+    python -m benchmarks.checkpoint [--shape memory] [--ranks 2] [--dir /tmp/ckpt_bench]
+
+For each implementation, fresh ``torchrun`` processes build the benchmark
+model (``benchmarks/models.py``), shard it the same way (each block, then the
+root), take one AdamW step (so optimizer state exists), then time:
+
+- save: ``get_state_dict`` + ``dcp.save`` of model and optimizer;
+- load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same.
+
+Peak memory is the rise of each rank's peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs`` right before the phase) over its RSS before it:
+what the phase itself costs. The max over ranks is printed, with wall times
+(max over ranks, between barriers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+IMPLS = ["fsdp_compose", "fsdp2"]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def worker(impl: str, shape_name: str, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks.models import SHAPES, build_model, make_data
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    shape = SHAPES[shape_name]
+    model = build_model(shape, 0, torch.device("cpu"))
+    if impl == "fsdp_compose":
+        import fsdp_compose
+        for b in model.blocks:
+            fsdp_compose.fully_shard(b)
+        fsdp_compose.fully_shard(model)
+        get, set_ = fsdp_compose.get_state_dict, fsdp_compose.set_state_dict
+    else:
+        from torch.distributed.checkpoint import state_dict as dsd
+        from torch.distributed.fsdp import fully_shard
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+        get, set_ = dsd.get_state_dict, dsd.set_state_dict
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = make_data(shape, 0, rank, 1, torch.device("cpu"))[0]
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+    def phase(fn):
+        dist.barrier()
+        before = _rss_kib("VmRSS")
+        _reset_peak()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        return dt, (_rss_kib("VmHWM") - before) / 1024
+
+    def save():
+        msd, osd = get(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+    def load():
+        msd, osd = get(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        set_(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    res = {"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024}
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, res)
+    if rank == 0:
+        print("RESULT " + json.dumps({"impl": impl, "ranks": out}), flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="memory")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--dir", default="/tmp/fsdp_compose_ckpt_bench")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.shape, args.dir)
+        return 0
+    rows = {}
+    for rep in range(args.repeats):
+        for impl in IMPLS:
+            path = os.path.join(args.dir, impl)
+            shutil.rmtree(path, ignore_errors=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.ranks}", "-m", "benchmarks.checkpoint",
+                   "--worker", impl, "--shape", args.shape, "--dir", path]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{impl}: no result (exit {p.returncode})")
+            ranks = json.loads(line[len("RESULT "):])["ranks"]
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            shutil.rmtree(path, ignore_errors=True)
+            r = {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
+                 for k in ("save", "load")}
+            r["size_mib"] = size / 2**20
+            prev = rows.get(impl)
+            rows[impl] = r if prev is None else {  # best of the repeats
+                k: (min(prev[k][0], r[k][0]), min(prev[k][1], r[k][1])) if k != "size_mib"
+                else r[k] for k in r}
+    print(f"shape={args.shape} ranks={args.ranks} (max over ranks; peak = rise of peak RSS "
+          "during the phase)")
+    print(f"{'impl':<14}{'save s':>8}{'save peak MiB':>15}{'load s':>8}{'load peak MiB':>15}"
+          f"{'ckpt MiB':>10}")
+    for impl, r in rows.items():
+        print(f"{impl:<14}{r['save'][0]:>8.2f}{r['save'][1]:>15.0f}{r['load'][0]:>8.2f}"
+              f"{r['load'][1]:>15.0f}{r['size_mib']:>10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
