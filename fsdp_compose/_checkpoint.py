@@ -80,24 +80,135 @@ def _rank_ranges(g, e) -> list[tuple[int, int, int]]:
             for r in range(lo // S, (hi - 1) // S + 1)]
 
 
+# ------------------------------------------------------- tensor parallel
+# [Note: TP boxes] A DTensor parameter's entry holds its local TP shard
+# (``e.shape``); the flat boxes of that shard are offset by where the shard
+# sits in the global tensor (``e.tp.shape``), which DTensor fixes for plain
+# ``Shard(d)``: an even chunking, chunk ceil(n / T), mesh dims left to right.
+def _tp_chunk(tp, coord) -> tuple[list, list]:
+    """``(offsets, sizes)`` of the TP shard at mesh coordinate ``coord``."""
+    from torch.distributed.tensor import Replicate, Shard
+    off, size = [0] * len(tp.shape), list(tp.shape)
+    for k, pl in enumerate(tp.placements):
+        if type(pl) is Shard:
+            d = pl.dim % len(size)
+            n = tp.mesh.size(k)
+            chunk = -(-size[d] // n)
+            lo = min(coord[k] * chunk, size[d])
+            hi = min(lo + chunk, size[d])
+            off[d] += lo
+            size[d] = hi - lo
+        elif not isinstance(pl, Replicate):
+            raise NotImplementedError(
+                f"fsdp_compose: state dicts of a DTensor parameter with placement {pl} are not "
+                "supported (only Shard(d) and Replicate).")
+    return off, size
+
+
+def _tp_even(tp) -> bool:
+    """Every TP rank's shard has the same shape (so the same flat layout)."""
+    from torch.distributed.tensor import Shard
+    size = list(tp.shape)
+    for k, pl in enumerate(tp.placements):
+        if type(pl) is Shard:
+            d, n = pl.dim % len(size), tp.mesh.size(k)
+            if size[d] % n:
+                return False
+            size[d] //= n
+    return True
+
+
+def _tp_origin(e) -> tuple | None:
+    """Where this rank's local TP shard of entry ``e`` starts in the global tensor."""
+    if e.tp is None:
+        return None
+    off, size = _tp_chunk(e.tp, e.tp.mesh.get_coordinate())
+    if tuple(size) != tuple(e.shape):
+        raise RuntimeError(_msg(e.fqn, f"the local TP shard has shape {tuple(e.shape)}, but "
+                                f"DTensor's even chunking of {tuple(e.tp.shape)} over "
+                                f"{e.tp.placements} gives {tuple(size)}."))
+    return tuple(off)
+
+
+def _shift(boxes, origin):
+    if origin is None:
+        return boxes
+    return [(tuple(o + x for o, x in zip(b[0], origin)),) + tuple(b[1:]) for b in boxes]
+
+
+def _tp_peers(g, e) -> list[tuple[int, tuple, tuple]]:
+    """``[(dp group rank, TP chunk offsets, global rank)]`` for every rank whose
+    boxes of ``e`` belong in this rank's ShardedTensor metadata.
+
+    Along ``Shard`` TP mesh dims that is every coordinate; along ``Replicate``
+    dims only this rank's own (its replicas hold the same boxes; each rank lists
+    its own replica set, so the metadata never overlaps and DCP, which dedups
+    identical write items across ranks, saves a replicated box once and loads it
+    on every rank).
+
+    Global ranks, without a collective: the rank at (dp index r, TP coordinate
+    c) is ``dp_ranks[r] + tp_mesh[c] - me``. This assumes the ranks of the
+    (dp, tp) mesh form an affine grid (rank = base + Σ coordinate·stride), true
+    of ``init_device_mesh`` and of any mesh made by reshaping/transposing an
+    ``arange`` of ranks. (A submesh does not expose its parent's rank grid
+    through a public API.) The metadata's ranks are labels: DCP plans from each
+    rank's local shards, and torch only checks that the label of each of our
+    own boxes is us and that every label is in the process group (the world).
+    """
+    import itertools
+
+    from torch.distributed.tensor import Shard
+    tp = e.tp
+    me = dist.get_rank()
+    dp_ranks = dist.get_process_group_ranks(g.pg)
+    mine = tuple(tp.mesh.get_coordinate())
+    grid = tp.mesh.mesh
+    axes = [range(tp.mesh.size(k)) if type(pl) is Shard else (mine[k],)
+            for k, pl in enumerate(tp.placements)]
+    out = []
+    for r in range(len(dp_ranks)):
+        for c in itertools.product(*axes):
+            off, _ = _tp_chunk(tp, c)
+            out.append((r, tuple(off), dp_ranks[r] + int(grid[c]) - me))
+    return out
+
+
 def sharded_value(g, e, local: torch.Tensor) -> torch.Tensor:
     """What a state dict holds for parameter ``e`` (or a state tensor of it):
-    a ShardedTensor of the global shape whose local shards view ``local``."""
-    if e.numel == 0:  # nobody holds a box of it: a (replicated) empty tensor
-        return local.new_empty(e.shape)
-    ranks = dist.get_process_group_ranks(g.pg)
-    everyone = [(o, s, ranks[r]) for r, a, b in _rank_ranges(g, e)
-                for o, s in flat_boxes(e.shape, a, b)]
-    mine = _box_views(e.shape, e.local_range, local)
-    if not mine and e.shape:
+    a ShardedTensor of the global shape whose local shards view ``local``.
+    For a TP (DTensor) parameter the boxes are those of its local TP shard,
+    offset into its global shape (see [Note: TP boxes])."""
+    gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+    if math.prod(gshape) == 0 or (e.tp is None and e.numel == 0):
+        return local.new_empty(gshape)  # nobody holds a box of it: a (replicated) empty tensor
+    if e.tp is None:
+        ranks = dist.get_process_group_ranks(g.pg)
+        everyone = [(o, s, ranks[r]) for r, a, b in _rank_ranges(g, e)
+                    for o, s in flat_boxes(e.shape, a, b)]
+        pg, me = g.pg, ranks[g.rank]
+    else:
+        if not _tp_even(e.tp):
+            # Other TP ranks' flat layouts would differ from ours (their shards'
+            # shapes do): not computable from this rank's layout alone.
+            raise NotImplementedError(_msg(e.fqn, f"sharded state dict of a DTensor parameter "
+                                           f"whose shape {tuple(e.tp.shape)} does not divide "
+                                           f"evenly over {e.tp.placements}; use "
+                                           "full_state_dict=True."))
+        ranges = {r: (a, b) for r, a, b in _rank_ranges(g, e)}
+        everyone = [(tuple(o + x for o, x in zip(bo, origin)), s, grank)
+                    for r, origin, grank in _tp_peers(g, e) if r in ranges
+                    for bo, s in flat_boxes(e.shape, *ranges[r])]
+        pg, me = None, dist.get_rank()  # the world: the metadata names dp and TP ranks
+    mine = _shift(_box_views(e.shape, e.local_range, local), _tp_origin(e))
+    if not mine and gshape:
         # This rank holds none of it. DCP's planners drop a ShardedTensor with no
         # local shard from the rank's state dict, and a key missing on one rank
         # sends DCP's load down its pre-2.4 key path (then it fails on nested
         # keys). So hold an empty box just past the end of dim 0.
-        o, s = (e.shape[0],) + (0,) * (len(e.shape) - 1), (0,) + tuple(e.shape[1:])
+        o, s = (gshape[0],) + (0,) * (len(gshape) - 1), (0,) + tuple(gshape[1:])
         mine = [(o, s, local[:0].view(s))]
-        everyone.append((o, s, ranks[g.rank]))
-    st = _compat.sharded_tensor(e.shape, local.dtype, mine, everyone, g.pg)
+        everyone.append((o, s, me))
+    st = _compat.sharded_tensor(gshape, local.dtype, mine, everyone, pg)
     st._fsdp_compose_local = (e, local)  # set_state_dict adopts ``local`` (DCP loaded into it)
     return st
 
@@ -107,19 +218,24 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype and a.device == b.device)
 
 
-def load_into(shape, local_range, value: Any, dst: torch.Tensor) -> str | None:
+def load_into(shape, local_range, value: Any, dst: torch.Tensor, *,
+              tp: tuple | None = None) -> str | None:
     """Copy this rank's piece (``local_range`` of the flattened tensor) of
     ``value`` into ``dst``. ``value``: a ShardedTensor, a replicated DTensor or
-    a full tensor of ``shape``. Returns what is wrong, or None."""
+    a full tensor of ``shape``. Returns what is wrong, or None.
+
+    ``tp=(global_shape, origin)``: ``shape`` is a local TP shard that starts at
+    ``origin`` in a tensor of ``global_shape``, which is what ``value`` holds."""
     shape = tuple(shape)
+    gshape, origin = (tuple(tp[0]), tuple(tp[1])) if tp is not None else (shape, None)
     a, b = local_range
     if _compat.is_sharded_tensor(value):
         theirs_shape = _compat.sharded_tensor_global_shape(value)
-        if theirs_shape != shape:
-            return f"the checkpoint's tensor has shape {theirs_shape}, the model's is {shape}."
+        if theirs_shape != gshape:
+            return f"the checkpoint's tensor has shape {theirs_shape}, the model's is {gshape}."
         theirs = _compat.sharded_tensor_local_boxes(value)
         covered = 0
-        for o, s, d in _box_views(shape, local_range, dst):
+        for o, s, d in _shift(_box_views(shape, local_range, dst), origin):
             for so, t in theirs:
                 lo = [max(x, y) for x, y in zip(o, so)]
                 hi = [min(x + n, y + m) for x, n, y, m in zip(o, s, so, t.shape)]
@@ -146,12 +262,20 @@ def load_into(shape, local_range, value: Any, dst: torch.Tensor) -> str | None:
         value = value.to_local()
     if not isinstance(value, torch.Tensor):
         return f"expected a tensor, got {type(value).__name__}."
-    if tuple(value.shape) != shape:
-        return (f"the checkpoint's tensor has shape {tuple(value.shape)}, the model's is {shape} "
+    if tuple(value.shape) != gshape:
+        return (f"the checkpoint's tensor has shape {tuple(value.shape)}, the model's is {gshape} "
                 "(pass full tensors of the global shape, or this model's state_dict()).")
+    if origin is not None:  # this rank's TP shard of the full tensor
+        for dim, (o, n) in enumerate(zip(origin, shape)):
+            value = value.narrow(dim, o, n)
     if b > a:
         dst.copy_(value.reshape(-1)[a:b])
     return None
+
+
+def _load_entry(e, value: Any, dst: torch.Tensor) -> str | None:
+    tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
+    return load_into(e.shape, e.local_range, value, dst, tp=tp)
 
 
 # ------------------------------------------------------------ module hooks
@@ -202,7 +326,7 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
                 continue
             unit.modules[0].reshard()  # the shard is what we load; views re-gathered on use
         with torch.no_grad():
-            err = load_into(e.shape, e.local_range, sd[key], e.sharded.detach())
+            err = _load_entry(e, sd[key], e.sharded.detach())
         if err:
             error_msgs.append(_msg(key, err))
         sd[key] = e.sharded  # the default load then copies the Parameter onto itself: no-op
@@ -231,6 +355,16 @@ def _gather(g, local: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _tp_full(e, t: torch.Tensor) -> torch.Tensor:
+    """The global tensor of a TP entry from its local TP shard ``t`` (a collective
+    over the TP mesh; every rank of it calls this for the same entries in order)."""
+    if e.tp is None:
+        return t
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t, e.tp.mesh, e.tp.placements, run_check=False,
+                              shape=e.tp.shape, stride=e.tp.stride).full_tensor()
+
+
 def _keep_full(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     return t.cpu() if cpu_offload else t
 
@@ -243,10 +377,10 @@ def _full_param_values(model: nn.Module, keep: bool, cpu_offload: bool) -> dict:
             flat = _gather(g, g.shard.detach())
             if g.world == 1:  # not views of the live shard: a snapshot, as at any world size
                 flat = flat.clone()
-            if keep:
-                for e in g.entries:
-                    out[id(e)] = _keep_full(flat[e.offset:e.offset + e.numel].view(e.shape),
-                                            cpu_offload)
+            for e in g.entries:
+                t = _tp_full(e, flat[e.offset:e.offset + e.numel].view(e.shape))
+                if keep:
+                    out[id(e)] = _keep_full(t, cpu_offload)
             del flat
     return out
 
@@ -281,10 +415,10 @@ def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -
                     if v is not None:
                         buf[slice(*e.shard_range)].copy_(v)
                 flat = _gather(g, buf)
-                if keep:
-                    for e in ents:
-                        if k in optim.state.get(e.sharded, {}):
-                            t = flat[e.offset:e.offset + e.numel].view(e.shape)
+                for e in ents:
+                    if k in optim.state.get(e.sharded, {}):
+                        t = _tp_full(e, flat[e.offset:e.offset + e.numel].view(e.shape))
+                        if keep:
                             out[(id(e), k)] = _keep_full(t, cpu_offload)
                 del flat, buf
     return out
@@ -495,14 +629,15 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
         return v
     g, e = hit
     sharded = _compat.is_sharded_tensor(v)
-    full = (isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(e.shape))
+    gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+    full = isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == gshape
     if not (sharded or full):
         return v
     src = getattr(v, "_fsdp_compose_local", None) if sharded else None
     if src is not None and src[0] is e and src[1].shape == p.shape:
         return src[1]  # our own get_state_dict's tensor, filled in place by DCP: no copy
     dst = torch.empty(p.shape, dtype=v.dtype, device=p.device)
-    err = load_into(e.shape, e.local_range, v, dst)
+    err = _load_entry(e, v, dst)
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))
     return dst
