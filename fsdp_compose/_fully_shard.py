@@ -125,6 +125,14 @@ class FSDPModule:
         """
         self._unit().backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
 
+    def set_overlap_reduce_scatter(self, overlap: bool) -> None:
+        """Call on the root. True (default): a unit's reduce-scatter runs while
+        backward computes the next unit's gradients. False: wait for it right
+        away, so its flat gradient is freed before the next one is made (one
+        unsharded gradient less at the peak; backward no longer overlaps it).
+        With ``set_prefetch_depth(0)`` this is the lowest-memory schedule."""
+        self._unit().overlap_reduce_scatter = bool(overlap)
+
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
 

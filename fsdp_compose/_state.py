@@ -211,6 +211,8 @@ class RootContext:
         self._drain()  # also folds an earlier part of this unit's gradient first
         self._launched.add(unit)
         self._in_flight = unit.launch_reduce_scatters()
+        if not self.root.overlap_reduce_scatter:
+            self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def _drain(self) -> None:
         for launch in self._in_flight:

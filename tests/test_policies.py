@@ -242,6 +242,29 @@ def last_backward(rank, world):
     return problems
 
 
+def no_overlap(rank, world):
+    """set_overlap_reduce_scatter(False) + set_prefetch_depth(0), the lowest-
+    memory schedule: same numbers, and no reduce-scatter outlives its launch."""
+    in_flight = []
+
+    def after_forward(model, problems):
+        model.set_overlap_reduce_scatter(False)
+        model.set_prefetch_depth(0)
+        ctx = model._unit().ctx
+        if "_launch" not in ctx.__dict__:
+            launch = ctx._launch
+
+            def spy(unit):
+                launch(unit)
+                in_flight.append(len(ctx._in_flight))
+            ctx._launch = spy
+
+    problems, _ = _fp32_parity(rank, world, after_forward=after_forward)
+    if world > 1 and (not in_flight or any(in_flight)):
+        problems.append(f"reduce-scatters left in flight: {in_flight}")
+    return problems
+
+
 def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3):
     """Ours vs torch FSDP2 under the same policies: losses and parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -350,7 +373,7 @@ def bf16_offload(rank, world):
 
 
 SCENARIOS = {f.__name__: f for f in [
-    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward,
+    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward, no_overlap,
     bf16_vs_fsdp2, bf16_reduce_vs_fsdp2, bf16_accumulate_vs_fsdp2, bf16_offload]}
 
 
