@@ -4,6 +4,7 @@
     python -m benchmarks.peers --shape memory --repeats 5
     python -m benchmarks.peers --world-size 1        # adds "local" (plain PyTorch)
     python -m benchmarks.peers --profile fsdp_compose --shape overhead
+    python -m benchmarks.peers --setting fp32 bf16 offload accum   # a table per setting
     torchrun --nproc-per-node 8 -m benchmarks.peers --impls fsdp_compose   # NCCL, one impl per run
 
 Implementations (``--impls``):
@@ -13,6 +14,38 @@ Implementations (``--impls``):
                 unit per block (``ModuleWrapPolicy``) + root, ``use_orig_params=True``
   ddp           ``torch.nn.parallel.DistributedDataParallel``
   local         plain PyTorch in one process (``--world-size 1`` only)
+
+Settings (``--setting``, several allowed; default ``fp32``), applied identically
+to every implementation that has them, skipped (and said so) for the others:
+  fp32          today's run: fp32 parameters, gradients, collectives
+  bf16          fsdp_compose / FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16,
+                reduce_dtype=fp32)`` on every unit; FSDP1: ``MixedPrecision`` with
+                the same dtypes; DDP / local: ``torch.autocast(bf16)`` (fp32
+                weights, gradients and all-reduce: a different recipe, shown for
+                reference only). The loss is taken in fp32 (``out.float()``).
+  offload       fsdp_compose / FSDP2: ``CPUOffloadPolicy`` (``pin_memory`` only
+                with CUDA: pinning needs an accelerator); FSDP1:
+                ``CPUOffload(offload_params=True)``, not on the gloo CPU path (it
+                pins unconditionally); not DDP / local. On a CPU-only machine the
+                "device" is the CPU too, so this times the offload bookkeeping, not
+                host-device copies.
+  accum         4 microbatches per step: the per-rank batch split in 4, each
+                loss / 4, ``set_requires_gradient_sync(False)`` before the first 3
+                backwards and True before the last (DDP / FSDP1: ``no_sync()``
+                on the first 3); one optimizer step. fwd/bwd ms are summed over
+                the microbatches.
+  bf16-offload  bf16 and offload together
+Several settings run in one invocation with the launches alternating over
+settings and implementations (fp32: A B C, bf16: A B C, ..., then the next
+repeat), so ratios within one run are comparable; one table per (shape,
+setting), then a summary (fsdp_compose and FSDP2 step time and peak RSS per
+setting, ours/FSDP2 ratios, ours/FSDP1 when FSDP1 ran, and the loss check). The
+loss check compares fsdp_compose per step with DDP (else local, else FSDP2) for
+fp32/offload/accum (tolerance 1e-4), and with FSDP2 (else FSDP1) for the bf16
+settings (tolerance 1e-2). With several settings a failed launch drops that
+(setting, implementation) and the run goes on; the errors are printed at the
+end and the exit status is 2. In peers.json a setting other than fp32 is keyed
+``<shape>:<setting>``.
 
 Method. Every (implementation, repeat) is its own fresh set of rank processes
 (gloo, rendezvous on a free port, one intra-op thread per rank: two ranks on
@@ -47,6 +80,8 @@ include the earlier ones. The CUDA path has not been run on a GPU yet.)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -69,6 +104,42 @@ PARITY_REF = "ddp"
 PARITY_RTOL = 1e-4     # fsdp_compose vs DDP, per step, relative
 LR = 1e-3
 
+# --setting: the same training configuration applied to every implementation
+# that has it (fsdp_compose and FSDP2 have all of them).
+SETTINGS = ["fp32", "bf16", "offload", "accum", "bf16-offload"]
+SETTING_WHAT = {
+    "fp32": "fp32 parameters, gradients and collectives",
+    "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); FSDP1 "
+            "MixedPrecision(same); DDP/local: torch.autocast(bf16), fp32 weights and reduction",
+    "offload": "CPUOffloadPolicy (pin_memory only on CUDA); FSDP1 CPUOffload(offload_params=True)",
+    "accum": "4 microbatches per step (the per-rank batch split in 4, loss / 4), "
+             "set_requires_gradient_sync(False) on the first 3; DDP/FSDP1: no_sync()",
+    "bf16-offload": "bf16 and offload together",
+}
+SUPPORTED = {  # implementation -> settings it runs (the others are skipped)
+    "fsdp_compose": set(SETTINGS), "fsdp2": set(SETTINGS), "fsdp1": set(SETTINGS),
+    "ddp": {"fp32", "bf16", "accum"}, "local": {"fp32", "bf16", "accum"},
+}
+# Not on the gloo CPU path (this script's own ranks): FSDP1's CPUOffload pins
+# its shards unconditionally, which raises without an accelerator.
+CPU_UNSUPPORTED = {("fsdp1", "offload"): "CPUOffload pins memory: needs an accelerator",
+                   ("fsdp1", "bf16-offload"): "CPUOffload pins memory: needs an accelerator"}
+ACCUM_MICRO = 4
+BF16_RTOL = 1e-2       # bf16 settings: fsdp_compose vs FSDP2 (no bit-identity to expect)
+
+
+def _is_bf16(setting: str) -> bool:
+    return setting.startswith("bf16")
+
+
+def _is_offload(setting: str) -> bool:
+    return setting.endswith("offload")
+
+
+def _run_key(shape_name: str, setting: str) -> str:
+    """Key of a (shape, setting) in the json files: the shape alone for fp32."""
+    return shape_name if setting == "fp32" else f"{shape_name}:{setting}"
+
 
 # =============================================================================
 # Rank side (imports torch)
@@ -87,29 +158,45 @@ def _rss_now_mib() -> dict:
     return out
 
 
-def _wrap(impl: str, model, world: int, device):
-    """Apply ``impl`` to ``model`` (an MLPStack); return the module to train."""
+def _wrap(impl: str, model, world: int, device, setting: str = "fp32"):
+    """Apply ``impl`` under ``setting`` to ``model`` (an MLPStack); return the module to train."""
     import torch
     from benchmarks.models import MLPBlock
 
+    bf16, offload = _is_bf16(setting), _is_offload(setting)
+    if impl in ("local", "ddp") and offload:
+        raise ValueError(f"{impl} has no setting {setting!r}")
     if impl == "local":
         return model
     if impl in ("fsdp_compose", "fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         if impl == "fsdp_compose":
-            from fsdp_compose import fully_shard
+            from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        kw = {}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        if offload:  # pinning needs an accelerator (torch's CPUOffloadPolicy raises without)
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         return model
     if impl == "fsdp1":
+        from torch.distributed.fsdp import CPUOffload, MixedPrecision
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        kw = {}
+        if bf16:
+            kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        if offload:
+            kw["cpu_offload"] = CPUOffload(offload_params=True)
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({MLPBlock}), use_orig_params=True,
-                    device_id=device)  # CPU: torch.device("cpu") (None raises on CPU)
+                    device_id=device, **kw)  # CPU: torch.device("cpu") (None raises on CPU)
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -124,6 +211,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
     from benchmarks.models import build_model, make_data
 
     impl, shape = cfg["impl"], Shape(**cfg["shape"])
+    setting = cfg.get("setting", "fp32")
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     distributed = impl != "local"
@@ -133,7 +221,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
     t_setup = time.time()
 
     model = build_model(shape, cfg["seed"], device)
-    model = _wrap(impl, model, world, device)
+    model = _wrap(impl, model, world, device, setting)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     warmup, steps = cfg["warmup"], cfg["steps"]
     profile_steps = cfg.get("profile_steps", 0)
@@ -149,21 +237,50 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         import fsdp_compose
         comm = fsdp_compose
 
+    # accum: ACCUM_MICRO microbatches per step, gradient sync on the last only.
+    micro = ACCUM_MICRO if setting == "accum" else 1
+    if micro > 1 and shape.batch % micro:
+        raise ValueError(f"accum: batch {shape.batch} not divisible by {micro}")
+
+    def sync_grads(last: bool):
+        """Context for one microbatch's forward + backward (accum only)."""
+        if micro == 1 or impl == "local":
+            return contextlib.nullcontext()
+        if impl in ("fsdp_compose", "fsdp2"):
+            model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else model.no_sync()  # DDP, FSDP1
+
+    # bf16 on DDP / local: autocast (fp32 weights, bf16 matmuls, fp32 gradients).
+    autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+                if _is_bf16(setting) and impl in ("ddp", "local") else contextlib.nullcontext)
+
     def step(x, y):
         c0 = time.process_time()  # CPU time of all this process's threads (gloo's too)
         t0 = time.perf_counter()
-        loss = F.mse_loss(model(x), y)
-        if not cuda:
-            t1 = time.perf_counter()
-        loss.backward()
-        if not cuda:
-            t2 = time.perf_counter()
+        fwd = bwd = 0.0
+        xs, ys = (x.chunk(micro), y.chunk(micro)) if micro > 1 else ((x,), (y,))
+        total = None
+        for k, (xm, ym) in enumerate(zip(xs, ys)):
+            with sync_grads(k == micro - 1):
+                ta = time.perf_counter()
+                with autocast():
+                    out = model(xm)
+                loss = F.mse_loss(out.float(), ym)  # bf16 outputs: the loss in fp32
+                if micro > 1:
+                    loss = loss / micro  # equal chunks: the sum is the full batch's mean
+                tb = time.perf_counter()
+                loss.backward()
+                tc = time.perf_counter()
+            fwd += tb - ta
+            bwd += tc - tb
+            total = loss.detach() if total is None else total + loss.detach()
         optim.step()
         optim.zero_grad()
         sync()
         t3 = time.perf_counter()
-        phases = None if cuda else (t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0)
-        return loss.detach(), t3 - t0, phases
+        phases = None if cuda else (fwd, bwd, t3 - t0 - fwd - bwd, time.process_time() - c0)
+        return total, t3 - t0, phases
 
     losses, times, phases = [], [], []
     for i in range(warmup):
@@ -197,7 +314,8 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
             for i in range(warmup + steps, n_total):
                 loss, _, _ = step(*data[i])
                 losses.append(loss)
-        trace_path = os.path.join(cfg["out"], f"trace_{shape.name}_{impl}_w{world}_rank{rank}.json")
+        tag = shape.name if setting == "fp32" else f"{shape.name}_{setting}"
+        trace_path = os.path.join(cfg["out"], f"trace_{tag}_{impl}_w{world}_rank{rank}.json")
         prof.export_chrome_trace(trace_path)
         prof_summary = _summarise_profile(prof, profile_steps)
 
@@ -205,7 +323,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         dist.barrier()
     mem_end = _rss_now_mib()
     res = {
-        "impl": impl, "rank": rank, "world": world, "device": str(device),
+        "impl": impl, "setting": setting, "rank": rank, "world": world, "device": str(device),
         "losses": [float(v) for v in losses],
         "step_s": times, "phase_s": phases, "total_s": t_total,
         "local_param_numel": local_numel,
@@ -428,14 +546,32 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=float("nan"))
 
 
-def shape_report(shape: Shape, summary: dict, meta: dict) -> tuple[str, dict]:
-    """The printed table for one shape, and its parity verdict."""
+def parity_ref(summary: dict, setting: str) -> tuple[str | None, float]:
+    """Which implementation fsdp_compose's losses are checked against, and the tolerance.
+
+    fp32, offload, accum: DDP (else local, else FSDP2); the same arithmetic, so
+    a tight tolerance. bf16 settings: FSDP2 (else FSDP1), as DDP/local run
+    autocast, a different recipe (fp32 weights, bf16 only in the matmuls).
+    """
+    order = ["fsdp2", "fsdp1"] if _is_bf16(setting) else [PARITY_REF, "local", "fsdp2"]
+    name = next((i for i in order if i in summary), None)
+    return name, (BF16_RTOL if _is_bf16(setting) else PARITY_RTOL)
+
+
+def shape_report(shape: Shape, summary: dict, meta: dict,
+                 setting: str | None = None) -> tuple[str, dict]:
+    """The printed table for one shape (under one setting), and its parity verdict.
+    ``setting`` None: fp32, and the header does not name it (the default run)."""
     impls = [i for i in IMPLS if i in summary]
     ours = summary.get(OURS)
-    ref = summary.get(PARITY_REF) or summary.get("local")
-    ref_name = PARITY_REF if PARITY_REF in summary else "local"
+    ref_name, rtol = parity_ref(summary, setting or "fp32")
+    ref = summary.get(ref_name)
+    title = f"== shape '{shape.name}': {shape.what}"
+    if setting is not None:
+        title = (f"== shape '{shape.name}', setting '{setting}': {SETTING_WHAT[setting]}\n"
+                 f"   {shape.what}")
     lines = [
-        f"== shape '{shape.name}': {shape.what}",
+        title,
         f"   {shape.numel / 1e6:.2f}M params, batch {shape.batch} x {shape.dim} per rank, "
         f"{meta['world']} rank(s) {meta['backend']}, {meta['threads']} thread(s)/rank, "
         f"{meta['warmup']} warmup + {meta['steps']} timed steps x {meta['repeats']} repeat(s), "
@@ -444,7 +580,7 @@ def shape_report(shape: Shape, summary: dict, meta: dict) -> tuple[str, dict]:
     mem_name = "peak MiB" + (" RSS" if meta["backend"] == "gloo" else " cuda")
     head = (f"   {'impl':<13} {'step ms':>9} {'[min..max]':>17} {'fwd/bwd/opt ms':>20} "
             f"{'CPU ms':>8} {mem_name:>13} {'(+MiB)':>7} {'final loss':>11} {'ours/x time':>11} "
-            f"{'ours/x CPU':>10} {'ours/x mem':>10} {'dloss vs ' + LABEL[ref_name]:>13}")
+            f"{'ours/x CPU':>10} {'ours/x mem':>10} {'dloss vs ' + LABEL.get(ref_name, '-'):>13}")
     lines += [head, "   " + "-" * (len(head) - 3)]
     for i in impls:
         s = summary[i]
@@ -478,17 +614,59 @@ def shape_report(shape: Shape, summary: dict, meta: dict) -> tuple[str, dict]:
                 f"({c['all_gather_bytes'] / 2**20:.1f} MiB), {c['reduce_scatter_calls']:.0f} "
                 f"reduce-scatter ({c['reduce_scatter_bytes'] / 2**20:.1f} MiB), "
                 f"{c['all_reduce_calls']:.0f} all-reduce")
-    parity = {"ref": ref_name, "rtol": PARITY_RTOL}
+    parity = {"ref": ref_name, "rtol": rtol}
     if ours and ref and ref_name != OURS:
         d = max_rel_diff(ours["losses"], ref["losses"])
-        parity.update(max_rel_diff=d, ok=bool(d <= PARITY_RTOL), steps=len(ours["losses"]))
+        parity.update(max_rel_diff=d, ok=bool(d <= rtol), steps=len(ours["losses"]))
         lines.append(f"   loss parity fsdp_compose vs {LABEL[ref_name]}: max rel diff over "
                      f"{len(ours['losses'])} steps = {d:.2e} -> "
-                     f"{'OK' if d <= PARITY_RTOL else 'MISMATCH'} (tol {PARITY_RTOL:g})")
+                     f"{'OK' if d <= rtol else 'MISMATCH'} (tol {rtol:g})")
+    if setting is not None and _is_bf16(setting) and ("ddp" in impls or "local" in impls):
+        lines.append("   (DDP/local under bf16: torch.autocast, not a parameter dtype: "
+                     "their losses and memory are a different recipe's)")
     nondet = [LABEL[i] for i in impls if not summary[i]["repeats_identical_losses"]]
     if nondet:
         lines.append(f"   note: losses differ between repeats for {', '.join(nondet)}")
     return "\n".join(lines), parity
+
+
+def settings_summary(rows: list, meta: dict) -> str:
+    """One line per (shape, setting): fsdp_compose and FSDP2 (and FSDP1 when run)."""
+    fsdp1 = any("fsdp1" in summ for _, _, summ, _ in rows)
+
+    def num(summ, impl, key, fmt):
+        return format(summ[impl][key], fmt) if impl in summ else "-"
+
+    def ratio(summ, impl, key):
+        if OURS not in summ or impl not in summ:
+            return "-"
+        return f"{summ[OURS][key] / summ[impl][key]:.2f}"
+
+    head = (f"   {'shape':<9} {'setting':<13} {'ours ms':>9} {'FSDP2 ms':>9} {'ours/FSDP2':>10} "
+            f"{'ours MiB':>9} {'FSDP2 MiB':>9} {'ours/FSDP2':>10}")
+    if fsdp1:
+        head += f" {'ours/FSDP1 t':>12} {'ours/FSDP1 m':>12}"
+    head += f" {'loss check (max rel diff)':>34}"
+    lines = [f"== summary: step time and peak RSS per rank, fsdp_compose (ours) vs FSDP2, "
+             f"{meta['world']} rank(s) {meta['backend']}, median of {meta['repeats']} "
+             f"repeat(s)", head, "   " + "-" * (len(head) - 3)]
+    for shape_name, st, summ, par in rows:
+        line = (f"   {shape_name:<9} {st:<13} {num(summ, OURS, 'step_ms', '.1f'):>9} "
+                f"{num(summ, 'fsdp2', 'step_ms', '.1f'):>9} {ratio(summ, 'fsdp2', 'step_ms'):>10} "
+                f"{num(summ, OURS, 'peak_mib', '.0f'):>9} {num(summ, 'fsdp2', 'peak_mib', '.0f'):>9} "
+                f"{ratio(summ, 'fsdp2', 'peak_mib'):>10}")
+        if fsdp1:
+            line += f" {ratio(summ, 'fsdp1', 'step_ms'):>12} {ratio(summ, 'fsdp1', 'peak_mib'):>12}"
+        if "ok" in par:
+            chk = (f"vs {LABEL[par['ref']]} {par['max_rel_diff']:.1e} "
+                   f"{'OK' if par['ok'] else 'MISMATCH'}")
+        else:
+            chk = "-"
+        lines.append(line + f" {chk:>34}")
+    lines.append("   ratios < 1: fsdp_compose faster / smaller. Loss check: fp32/offload/accum "
+                 f"vs DDP (else local, else FSDP2), tol {PARITY_RTOL:g}; bf16 settings vs FSDP2 "
+                 f"(else FSDP1), tol {BF16_RTOL:g}")
+    return "\n".join(lines)
 
 
 def plot(results: dict, path: str) -> str | None:
@@ -568,43 +746,77 @@ def orchestrate(args) -> int:
             sys.exit("peers: --profile local needs --world-size 1")
         return profile_only(args, shapes, world)
 
-    n_launch = len(shapes) * args.repeats * len(impls)
+    settings = args.setting
+    named = settings != ["fp32"]  # name the setting in the tables (not in the default run)
+    meta["settings"] = settings
+    plan = {st: [i for i in impls if st in SUPPORTED[i] and (i, st) not in CPU_UNSUPPORTED]
+            for st in settings}
+    for st in settings:
+        skipped = [f"{LABEL[i]} ({CPU_UNSUPPORTED.get((i, st), 'no such setting')})"
+                   for i in impls if i not in plan[st]]
+        if skipped:
+            print(f"setting '{st}': skipping {', '.join(skipped)}")
+    failures = []  # with several settings, a failed launch drops that (setting, impl) only
+    n_launch = len(shapes) * args.repeats * sum(len(v) for v in plan.values())
     bar, have_bar = _progress(n_launch)
     log = bar.write if have_bar else print
-    reports, all_ok = [], True
+    reports, all_ok, rows = [], True, []
     for shape in shapes:
         steps = args.steps if args.steps is not None else shape.steps
         warmup = args.warmup if args.warmup is not None else shape.warmup
-        raw: dict[str, list] = {i: [] for i in impls}
+        raw: dict[str, dict[str, list]] = {st: {i: [] for i in plan[st]} for st in settings}
         for rep in range(args.repeats):
-            for impl in impls:  # alternate: A B C D A B C D ...
-                cfg = {"impl": impl, "shape": _shape_dict(shape),
-                       "seed": args.seed, "steps": steps, "warmup": warmup,
-                       "threads": args.threads, "pg_timeout": args.timeout, "out": args.out}
-                t0, t0_wall = time.monotonic(), time.time()
-                ranks = launch(cfg, world, args.timeout)
-                meta["torch"] = meta["torch"] or ranks[0]["torch"]
-                L = summarise_launch(ranks)
-                startup = max(r["t_setup"] for r in ranks) - t0_wall
-                setup = max(r["t_setup_done"] - r["t_setup"] for r in ranks)
-                raw[impl].append({"summary": L, "ranks": ranks})
-                log(f"[{shape.name} {rep + 1}/{args.repeats}] {LABEL[impl]:<13} "
-                    f"{L['step_ms']:9.2f} ms/step  peak {L['peak_mib']:7.0f} MiB/rank  "
-                    f"final loss {L['losses'][-1]:.6f}  ({time.monotonic() - t0:.1f} s: start "
-                    f"{startup:.1f}, model+wrap {setup:.1f})")
-                if have_bar:
-                    bar.update(1)
-        summary = {i: summarise_impl([x["summary"] for x in raw[i]]) for i in impls}
-        m = dict(meta, steps=steps, warmup=warmup)
-        text, parity = shape_report(shape, summary, m)
-        reports.append(text)
-        all_ok &= parity.get("ok", True)
-        results["shapes"][shape.name] = {
-            "shape": _shape_dict(shape),
-            "numel": shape.numel, "steps": steps, "warmup": warmup,
-            "impls": summary, "parity": parity,
-            "launches": {i: [x["ranks"] for x in raw[i]] for i in impls},
-        }
+            for st in settings:  # alternate: A B C D A B C D ..., every setting per repeat
+                for impl in plan[st]:
+                    if (shape.name, st, impl) in {f[:3] for f in failures}:
+                        continue
+                    cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st,
+                           "seed": args.seed, "steps": steps, "warmup": warmup,
+                           "threads": args.threads, "pg_timeout": args.timeout,
+                           "out": args.out}
+                    t0, t0_wall = time.monotonic(), time.time()
+                    try:
+                        ranks = launch(cfg, world, args.timeout)
+                    except LaunchError as e:
+                        if not named:
+                            raise
+                        failures.append((shape.name, st, impl, str(e)))
+                        log(f"[{shape.name} {st} {rep + 1}/{args.repeats}] {LABEL[impl]:<13} "
+                            f"FAILED (dropped from this setting): {str(e).splitlines()[0]}")
+                        continue
+                    meta["torch"] = meta["torch"] or ranks[0]["torch"]
+                    L = summarise_launch(ranks)
+                    startup = max(r["t_setup"] for r in ranks) - t0_wall
+                    setup = max(r["t_setup_done"] - r["t_setup"] for r in ranks)
+                    raw[st][impl].append({"summary": L, "ranks": ranks})
+                    tag = f"{shape.name} {st}" if named else shape.name
+                    log(f"[{tag} {rep + 1}/{args.repeats}] {LABEL[impl]:<13} "
+                        f"{L['step_ms']:9.2f} ms/step  peak {L['peak_mib']:7.0f} MiB/rank  "
+                        f"final loss {L['losses'][-1]:.6f}  ({time.monotonic() - t0:.1f} s: "
+                        f"start {startup:.1f}, model+wrap {setup:.1f})")
+                    if have_bar:
+                        bar.update(1)
+        for st in settings:
+            failed = {f[2] for f in failures if f[:2] == (shape.name, st)}
+            summary = {i: summarise_impl([x["summary"] for x in raw[st][i]])
+                       for i in plan[st] if i not in failed}
+            m = dict(meta, steps=steps, warmup=warmup)
+            text, parity = shape_report(shape, summary, m, st if named else None)
+            if failed:
+                text += (f"\n   FAILED, no numbers: {', '.join(LABEL[i] for i in sorted(failed))}"
+                         f" (errors at the end)")
+            reports.append(text)
+            all_ok &= parity.get("ok", True)
+            rows.append((shape.name, st, summary, parity))
+            results["shapes"][_run_key(shape.name, st)] = {
+                "shape": _shape_dict(shape), "setting": st,
+                "numel": shape.numel, "steps": steps, "warmup": warmup,
+                "impls": summary, "parity": parity,
+                "launches": {i: [x["ranks"] for x in raw[st][i]] for i in summary},
+                "failed": sorted(failed),
+            }
+    if named:
+        reports.append(settings_summary(rows, meta))
     if have_bar:
         bar.close()
     meta["runtime_s"] = time.monotonic() - t_begin
@@ -617,8 +829,13 @@ def orchestrate(args) -> int:
     print(f"\nwrote {json_path}" + (f" and {png}" if png else
                                     " (no plot: pip install matplotlib, or .[bench])"))
     print(f"total runtime {meta['runtime_s']:.0f} s")
+    for shape_name, st, impl, err in failures:
+        print(f"\nFAILED: {LABEL[impl]} on '{shape_name}', setting '{st}':\n{err}",
+              file=sys.stderr)
+    if failures:
+        return 2
     if not all_ok:
-        print("LOSS PARITY FAILED (fsdp_compose vs DDP), see above", file=sys.stderr)
+        print("LOSS PARITY FAILED (fsdp_compose vs its reference), see above", file=sys.stderr)
         return 1
     return 0
 
@@ -632,15 +849,18 @@ def print_profile(rows: list, step_ms: float | None, top: int = 25) -> None:
 
 def profile_only(args, shapes: list, world: int) -> int:
     impl = args.profile
-    for shape in shapes:
+    settings = [st for st in args.setting if st in SUPPORTED[impl]]
+    named = settings != ["fp32"]
+    for shape, st in ((sh, st) for sh in shapes for st in settings):
         warmup = args.warmup if args.warmup is not None else shape.warmup
-        cfg = {"impl": impl, "shape": _shape_dict(shape),
+        cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st,
                "seed": args.seed, "steps": args.steps if args.steps is not None else 3,
                "warmup": warmup, "profile_steps": args.profile_steps, "threads": args.threads,
                "pg_timeout": args.timeout, "out": args.out}
         ranks = launch(cfg, world, args.timeout)
         L = summarise_launch(ranks)
-        print(f"== profile {LABEL[impl]} on '{shape.name}' ({world} rank(s)); unprofiled "
+        where = f"'{shape.name}', setting '{st}'" if named else f"'{shape.name}'"
+        print(f"== profile {LABEL[impl]} on {where} ({world} rank(s)); unprofiled "
               f"step {L['step_ms']:.2f} ms; {args.profile_steps} profiled steps")
         print(f"   traces: {', '.join(r['trace'] for r in ranks)}")
         print("   rank 0, grouped by label (the unit FQN in '(...)' dropped), per step:")
@@ -679,11 +899,16 @@ def torchrun_main(args) -> int:
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                      else platform.processor()},
             "impl": impl, "shapes": {}}
-    for shape in (SHAPES[s] for s in args.shape):
+    settings = args.setting
+    named = settings != ["fp32"]
+    runs = [(SHAPES[n], st) for n in args.shape for st in settings]
+    for shape, st in runs:
+        if st not in SUPPORTED[impl]:
+            continue
         steps = args.steps if args.steps is not None else shape.steps
         warmup = args.warmup if args.warmup is not None else shape.warmup
-        cfg = {"impl": impl, "shape": _shape_dict(shape), "seed": args.seed, "steps": steps,
-               "warmup": warmup, "out": args.out,
+        cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st, "seed": args.seed,
+               "steps": steps, "warmup": warmup, "out": args.out,
                "profile_steps": args.profile_steps if args.profile else 0}
         launches = []
         for _ in range(args.repeats):
@@ -692,13 +917,14 @@ def torchrun_main(args) -> int:
             dist.all_gather_object(gathered, res)
             launches.append(gathered)
             if args.profile and rank == 0:
-                print(f"== profile {LABEL[impl]} on '{shape.name}': traces "
+                print(f"== profile {LABEL[impl]} on '{_run_key(shape.name, st)}': traces "
                       f"{', '.join(r['trace'] for r in gathered)}")
                 print_profile(res["profile"], None)
                 break
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        mine["shapes"][shape.name] = {"steps": steps, "warmup": warmup, "launches": launches}
+        mine["shapes"][_run_key(shape.name, st)] = {"steps": steps, "warmup": warmup,
+                                                    "launches": launches}
     dist.destroy_process_group()
     if rank != 0:
         return 0
@@ -708,8 +934,11 @@ def torchrun_main(args) -> int:
     print(f"wrote {path}")
     # A table of every torchrun result in --out with the same settings.
     results = {"meta": dict(mine["meta"], impls=[]), "shapes": {}}
-    reports = []
-    for shape in (SHAPES[s] for s in args.shape):
+    reports, rows = [], []
+    for shape, st in runs:
+        key = _run_key(shape.name, st)
+        if key not in mine["shapes"]:
+            continue
         summary = {}
         for other in IMPLS:
             p = os.path.join(args.out, f"peers_torchrun_{other}.json")
@@ -717,18 +946,21 @@ def torchrun_main(args) -> int:
                 continue
             with open(p) as f:
                 d = json.load(f)
-            s = d["shapes"].get(shape.name)
+            s = d["shapes"].get(key)
             same = (d["meta"]["world"] == world and d["meta"]["backend"] == backend
-                    and s and s["steps"] == mine["shapes"][shape.name]["steps"]
-                    and s["warmup"] == mine["shapes"][shape.name]["warmup"])
+                    and s and s["steps"] == mine["shapes"][key]["steps"]
+                    and s["warmup"] == mine["shapes"][key]["warmup"])
             if same:
                 summary[other] = summarise_impl([summarise_launch(L) for L in s["launches"]])
-        m = dict(mine["meta"], **{k: mine["shapes"][shape.name][k] for k in ("steps", "warmup")},
+        m = dict(mine["meta"], **{k: mine["shapes"][key][k] for k in ("steps", "warmup")},
                  repeats=args.repeats)
-        text, parity = shape_report(shape, summary, m)
+        text, parity = shape_report(shape, summary, m, st if named else None)
         reports.append(text)
+        rows.append((shape.name, st, summary, parity))
         results["meta"]["impls"] = sorted(set(results["meta"]["impls"]) | set(summary))
-        results["shapes"][shape.name] = {"impls": summary, "parity": parity}
+        results["shapes"][key] = {"setting": st, "impls": summary, "parity": parity}
+    if named:
+        reports.append(settings_summary(rows, results["meta"]))
     print("\n\n".join(reports))
     with open(os.path.join(args.out, "peers_torchrun.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -751,6 +983,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed steps per launch (default per shape: "
                         + ", ".join(f"{s.name} {s.warmup}" for s in SHAPES.values()) + ")")
     p.add_argument("--repeats", type=int, default=3, help="launches per implementation")
+    p.add_argument("--setting", nargs="+", choices=SETTINGS, default=["fp32"],
+                   help="training settings, each applied to every implementation that has it; "
+                        "several run in one invocation, launches alternating")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=None,
                    help="subset of implementations (default: all but 'local'; "
                         "'local' is added at --world-size 1)")
@@ -775,6 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         sys.exit("peers: --world-size, --repeats, --threads, --steps must be >= 1, --warmup >= 0")
     args.out = os.path.abspath(args.out)
+    args.setting = list(dict.fromkeys(args.setting))  # in the order given, once each
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(args)
     try:
