@@ -16,7 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a small character-level Llama on the shipped text, each block and "
         "the root sharded with fully_shard, and print a summary. Spawns --world-size gloo "
-        "CPU ranks, or joins a torchrun job (NCCL on CUDA) when RANK/WORLD_SIZE are set.",
+        "CPU ranks, or joins a torchrun job (NCCL on CUDA) when RANK/WORLD_SIZE are set. "
+        "With --tp N (2-D): the blocks are tensor-parallel over N ranks (parallelize_module) "
+        "and fully_shard-ed over the other world/N, e.g. --world-size 4 --tp 2.",
     )
     from fsdp_compose.demo.train import add_arguments
 

@@ -6,7 +6,8 @@ weight is tied to the token embedding. The blocks live in ``self.layers`` so
 the demo can ``fully_shard`` each one and then the root.
 
 Shape letters: b batch, s sequence, d model dim, h heads, k head dim,
-f MLP hidden dim, v vocabulary.
+f MLP hidden dim, v vocabulary. Under tensor parallelism (``train.py --tp``)
+h and f are this rank's share; attention and MLP code is the same.
 """
 
 from __future__ import annotations
@@ -63,19 +64,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Causal self-attention. q, k and v are separate projections so a tensor-parallel
+    plan can shard each by output features (whole heads per rank); the head count
+    is read off the projection's output, so a rank computes just its local heads."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
-        self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        qkv = self.wqkv(x).view(b, s, 3, self.n_heads, d // self.n_heads)  # (b, s, 3, h, k)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (b, h, s, k) each
+        b, s, _ = x.shape
+        # (b, h, s, k) each; h = n_heads, or n_heads / tp on a tensor-parallel rank
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (b, h, s, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, h, s, k)
-        return self.wo(y.transpose(1, 2).reshape(b, s, d))  # (b, s, d)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # (b, s, d)
 
 
 class FeedForward(nn.Module):
