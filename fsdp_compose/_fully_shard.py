@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._checkpoint import register_hooks as register_state_dict_hooks
 from ._common import unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
@@ -416,7 +417,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         g.install_sharded()
         for e in g.entries:
             _SHARDED[e.sharded] = (g, e)
-    from ._checkpoint import register_hooks; register_hooks(unit)  # noqa: E702 state-dict hooks
+    register_state_dict_hooks(unit)
     for p, _, _ in params:
         _REPLACED[p] = unit
     for m in modules:

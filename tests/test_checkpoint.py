@@ -13,7 +13,6 @@ root unit, a buffer, and parameters split mid-row across ranks.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import subprocess

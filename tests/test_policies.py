@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp_compose
 from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedState, clip_grad_norm_,
                           comm_stats, fully_shard, param_info, reset_comm_stats)
 
