@@ -156,10 +156,18 @@ class Unit:
         return _compat.tree_map_tensors(cast, tree)
 
     def _refresh_views(self) -> None:
-        """After ``unshard()``: views need the storage allocated."""
+        """After ``unshard()``: views need the storage allocated.
+
+        Not for a group whose flat aliases its shard (world size 1, no cast):
+        there, nothing is freed or reduced when its post-backward runs, so a
+        post-backward delayed to the end of backward (see [Note: tensor
+        vocabulary] in _flat_group.py) costs nothing, and the views made once
+        are reused: no split and no views per step.
+        """
         if torch.is_grad_enabled():
             for g in self.trainable:
-                g.refresh_views()
+                if not g._aliased:
+                    g.refresh_views()
 
     def post_forward(self, module: nn.Module, args, output):
         if self._cast_outputs is not None:  # (recomputation too: same saved tensors)
