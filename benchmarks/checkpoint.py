@@ -43,7 +43,7 @@ def _reset_peak() -> None:
         pass
 
 
-def worker(impl: str, shape_name: str, path: str) -> None:
+def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -86,7 +86,11 @@ def worker(impl: str, shape_name: str, path: str) -> None:
 
     def save():
         msd, osd = get(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        # per_item: one file per write item, so DCP's writer (which keeps every
+        # tensor of a file until the file is done, and clones a view) holds one
+        # box at a time
+        writer = dcp.FileSystemWriter(path, single_file_per_rank=not per_item)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
 
     def load():
         msd, osd = get(model, opt)
@@ -108,10 +112,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/fsdp_compose_ckpt_bench")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--per-item-files", action="store_true",
+                    help="FileSystemWriter(single_file_per_rank=False): one file per tensor box")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.shape, args.dir)
+        worker(args.worker, args.shape, args.dir, args.per_item_files)
         return 0
     rows = {}
     for rep in range(args.repeats):
@@ -121,6 +127,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.ranks}", "-m", "benchmarks.checkpoint",
                    "--worker", impl, "--shape", args.shape, "--dir", path]
+            cmd += ["--per-item-files"] if args.per_item_files else []
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
