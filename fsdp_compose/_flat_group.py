@@ -402,6 +402,21 @@ class FlatGroup:
 
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
+        flat_grad, mode, pre, post = self.take_grad()
+        if self.world == 1:  # the flat gradient is the gradient shard
+            return _GradLaunch(self, Pending(None, ()), flat_grad, mode, post)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
+        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg, op), out,
+                           mode, post)
+
+    def bucket_key(self) -> tuple:
+        """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
+        return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas)
+
+    def take_grad(self):
+        """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
+        microbatches added, pre-divided. Returns (flat_grad, fold mode, pre, post)."""
         flat_grad = self.flat.grad
         self.flat.grad = None
         if flat_grad is None:
@@ -415,12 +430,7 @@ class FlatGroup:
         pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
         if pre is not None:
             flat_grad.div_(pre)
-        if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, Pending(None, ()), flat_grad, mode, post)
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
-        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg, op), out,
-                           mode, post)
+        return flat_grad, mode, pre, post
 
     def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None) -> None:
         if self.replicate_pg is not None:  # HSDP: then across the replicas
@@ -443,7 +453,12 @@ class FlatGroup:
             if mode == "fresh":
                 self._adopt_grad_shard(out)
             elif mode == "accumulate":
-                self._grad_shard_ref().add_(out)
+                buf = self._grad_shard_ref()
+                if buf is not None:
+                    buf.add_(out)
+                else:  # adopted a view of a bucket's output: only the p.grad views hold it
+                    for e in self.entries:
+                        e.sharded.grad.add_(out[slice(*e.shard_range)])
             else:  # some p.grad were set to None or replaced by the user
                 for e in self.entries:
                     piece = out[slice(*e.shard_range)]
@@ -458,3 +473,43 @@ class FlatGroup:
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.state.name})")
+
+
+class _WaitOnce:
+    """A collective several launches share, waited only once: waiting a gloo
+    reduce-scatter again copies its result into the output again, over
+    whatever the first launches already did to their slices (the HSDP
+    all-reduce)."""
+
+    def __init__(self, pending: Pending):
+        self.pending, self.done = pending, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.pending.wait()
+            self.done = True
+
+
+def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
+    """ONE reduce-scatter for several groups with the same ``bucket_key()``.
+
+    The input is rank-major: for each rank r, every group's chunk r in turn
+    (one ``cat`` of the flat gradients viewed as (W, S_i)), so the output is
+    every group's gradient shard end to end; each group adopts its slice
+    (a view). For many small units, where a collective's latency dominates
+    its bytes: one collective instead of one per unit, for one copy.
+    """
+    first = groups[0]
+    if first.world == 1:
+        return [g.launch_reduce_scatter(streams) for g in groups]
+    taken = [g.take_grad() for g in groups]
+    W = first.world
+    flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)], dim=1)
+    out = torch.empty(flat.shape[1], dtype=first.reduce_dtype, device=first.device)
+    op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
+    pending = _WaitOnce(streams.reduce_scatter(out, flat.view(-1), first.rs_pg, op))
+    launches, at = [], 0
+    for g, (_, mode, _, post) in zip(groups, taken):
+        launches.append(_GradLaunch(g, pending, out[at:at + g.shard_numel], mode, post))
+        at += g.shard_numel
+    return launches

@@ -134,6 +134,18 @@ class FSDPModule:
         With ``set_prefetch_depth(0)`` this is the lowest-memory schedule."""
         self._unit().overlap_reduce_scatter = bool(overlap)
 
+    def set_reduce_scatter_bucket_bytes(self, nbytes: int) -> None:
+        """Call on the root. Reduce-scatter the gradients of consecutive units
+        (in the backward's reduce order) together, one collective per bucket of
+        at least ``nbytes`` (0, the default: one per unit). For many small
+        units, where each collective's latency dominates its bytes; costs one
+        copy of the bucket's flat gradients (a rank-major ``cat``), and a unit's
+        gradient waits until its bucket is complete."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise unit_error(self._unit().fqn, f"bucket size must be an int >= 0 (bytes), got "
+                             f"{nbytes!r}.", exc=ValueError)
+        self._unit().bucket_bytes = nbytes
+
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
 

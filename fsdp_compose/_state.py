@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from . import _compat
 from ._common import TrainingState, label, trace, unit_error
+from ._flat_group import launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
 
@@ -92,6 +93,7 @@ class RootContext:
         self._ready: set[Unit] = set()
         self._launched: set[Unit] = set()
         self._in_flight: list = []
+        self._bucket: list[Unit] = []            # units waiting to be reduced as one bucket
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
 
@@ -205,7 +207,38 @@ class RootContext:
             if not final and unit not in self._ready:
                 break
             self._next += 1
-            self._launch(unit)
+            if self.root.bucket_bytes <= 0:
+                self._launch(unit)
+                continue
+            self._bucket.append(unit)
+            if self._bucket_ends(unit, order):
+                self._launch_bucket()
+
+    def _bucket_ends(self, unit: Unit, order: list[Unit]) -> bool:
+        """Whether ``unit`` closes the bucket being filled: the bucket reached
+        the byte limit, or no unit to reduce follows. A function of the reduce
+        order and the sizes only (never of timing), so every rank buckets alike."""
+        size = sum(g.padded_numel * g.reduce_dtype.itemsize
+                   for u in self._bucket for g in u.trainable)
+        if size >= self.root.bucket_bytes:
+            return True
+        return not any(u.trainable and u.requires_gradient_sync for u in order[self._next:])
+
+    def _launch_bucket(self) -> None:
+        units, self._bucket = self._bucket, []
+        self._drain()
+        by_key: dict[tuple, list] = {}
+        for u in units:
+            self._launched.add(u)
+            got = any(g.flat.grad is not None for g in u.trainable)
+            trace("reduce_scatter", u.fqn, "bucketed" if got else "bucketed zero-filled")
+            for g in u.trainable:
+                by_key.setdefault(g.bucket_key(), []).append(g)
+        with label("reduce_scatter", units[-1].fqn):
+            self._in_flight = [launch for groups in by_key.values()
+                               for launch in launch_bucket(groups, self.streams)]
+        if not self.root.overlap_reduce_scatter:
+            self._drain()
 
     def _launch(self, unit: Unit) -> None:
         self._drain()  # also folds an earlier part of this unit's gradient first
@@ -247,6 +280,7 @@ class RootContext:
         self._next = 0
         self._ready.clear()
         self._launched.clear()
+        self._bucket = []
 
     def _abort_step(self) -> None:
         self._in_flight = []

@@ -59,6 +59,7 @@ class Unit:
         # in-flight unsharded memory to the current unit plus this many.
         self.prefetch_depth = 1
         self.overlap_reduce_scatter = True  # read on the root, see set_overlap_reduce_scatter
+        self.bucket_bytes = 0  # read on the root, see set_reduce_scatter_bucket_bytes
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.backward_prefetch: list[Unit] | None = None
         # False: keep accumulating the unsharded flat gradient, no reduce-scatter

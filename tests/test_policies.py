@@ -264,6 +264,29 @@ def no_overlap(rank, world):
     return problems
 
 
+def bucketed(rank, world):
+    """set_reduce_scatter_bucket_bytes: the 5 small units reduce-scatter as one
+    bucket (or two, with a smaller limit); two synced microbatches exercise
+    folding into gradient shards that are views of a bucket's output."""
+    results = []
+    for nbytes, calls in ((1 << 20, 1), (2500, 2)):
+        def each(model, k, micro, nbytes=nbytes):
+            model.set_reduce_scatter_bucket_bytes(nbytes)
+
+        problems, counts = _fp32_parity(rank, world, micro=2, each_micro=each)
+        if world > 1 and any(c[1] != calls for step in counts for c in step):
+            problems.append(f"reduce-scatters per microbatch {counts}, want {calls}")
+        results += [f"bucket {nbytes}: {p}" for p in problems]
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) \
+        if world == 4 else None
+    if mesh is not None:  # HSDP and bf16 through buckets
+        def each_hsdp(model, k, micro):
+            model.set_reduce_scatter_bucket_bytes(1 << 20)
+        problems, _ = _fp32_parity(rank, world, mesh=mesh, each_micro=each_hsdp)
+        results += [f"hsdp: {p}" for p in problems]
+    return results
+
+
 def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3):
     """Ours vs torch FSDP2 under the same policies: losses and parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
@@ -372,7 +395,7 @@ def bf16_offload(rank, world):
 
 
 SCENARIOS = {f.__name__: f for f in [
-    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward, no_overlap,
+    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward, no_overlap, bucketed,
     bf16_vs_fsdp2, bf16_reduce_vs_fsdp2, bf16_accumulate_vs_fsdp2, bf16_offload]}
 
 
