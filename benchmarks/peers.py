@@ -85,12 +85,11 @@ import functools
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
+from benchmarks._launch import LaunchError, run_ranks
 from benchmarks.shapes import SHAPES, Shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -387,95 +386,15 @@ def _worker_entry(cfg_path: str) -> None:
 # =============================================================================
 # Orchestrator side (no torch)
 # =============================================================================
-class LaunchError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_CTX = None
 # Imported once by the fork server; every rank is forked from it (fast start,
 # and the same ~torch-import RSS baseline for every implementation).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.nn.parallel",
             "torch.profiler", "fsdp_compose", "benchmarks.models"]
 
 
-def _context():
-    """A forkserver context whose server has torch (and every implementation) imported."""
-    global _CTX
-    if _CTX is None:
-        import multiprocessing as mp
-        os.environ.setdefault("OMP_NUM_THREADS", "1")   # before the server imports torch
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
-
-
-def _rank_main(rank: int, world: int, port: int, cfg_path: str, log_path: str) -> None:
-    """Entry of a forked rank: redirect output, set the rendezvous env, run."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        _worker_entry(cfg_path)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
 def _launch_once(cfg: dict, world: int, timeout: float) -> list[dict]:
-    from benchmarks import peers as this  # picklable by module name, not __main__
-    ctx = _context()
-    with tempfile.TemporaryDirectory(prefix="peers_") as tmp:
-        cfg = dict(cfg, tmpdir=tmp)
-        cfg_path = os.path.join(tmp, "cfg.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f)
-        port = free_port()
-        logs = [os.path.join(tmp, f"out{r}.txt") for r in range(world)]
-        procs = [ctx.Process(target=this._rank_main, args=(r, world, port, cfg_path, logs[r]),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
-        while True:
-            codes = [p.exitcode for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.monotonic()
-            timed_out = time.monotonic() > deadline
-            if timed_out or (failed_at and time.monotonic() - failed_at > 10):
-                for p in procs:
-                    if p.exitcode is None:
-                        p.kill()
-                for p in procs:
-                    p.join()
-                break
-            time.sleep(0.05)
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            why = "timed out" if timed_out else "failed"
-            bad = next((r for r, c in enumerate(codes) if c not in (0, -9, None)), 0)
-            with open(logs[bad], errors="replace") as f:
-                tail = f.read()[-4000:]
-            raise LaunchError(f"{cfg['impl']} ({cfg['shape']['name']}, world {world}) {why}: "
-                              f"exit codes {codes}; rank {bad} output:\n{tail}")
-        out = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"result{r}.json")) as f:
-                out.append(json.load(f))
-        return out
+    return run_ranks("benchmarks.peers", _PRELOAD, cfg, world, timeout,
+                     f"{cfg['impl']} ({cfg['shape']['name']}, world {world})")
 
 
 def launch(cfg: dict, world: int, timeout: float) -> list[dict]:

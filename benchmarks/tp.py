@@ -39,11 +39,10 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import sys
-import tempfile
 import time
+
+from benchmarks._launch import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "out")
@@ -186,88 +185,16 @@ def _worker_entry(cfg_path: str) -> None:
     os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_path: str, log_path: str) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        _worker_entry(cfg_path)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
 # =============================================================================
 # Orchestrator side (no torch)
 # =============================================================================
-_CTX = None
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
             "torch.distributed.tensor.parallel", "fsdp_compose", "fsdp_compose.demo.train"]
 
 
-def _context():
-    """A forkserver whose server has torch, both implementations and the demo imported."""
-    global _CTX
-    if _CTX is None:
-        import multiprocessing as mp
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the server imports torch
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: dict, world: int) -> list[dict]:
     """One implementation in ``world`` fresh rank processes; every rank's result."""
-    from benchmarks import tp as this  # picklable by module name, not __main__
-    ctx = _context()
-    with tempfile.TemporaryDirectory(prefix="bench_tp_") as tmp:
-        cfg = dict(cfg, tmpdir=tmp)
-        cfg_path = os.path.join(tmp, "cfg.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f)
-        logs = [os.path.join(tmp, f"out{r}.txt") for r in range(world)]
-        port = _free_port()
-        procs = [ctx.Process(target=this._rank_main, args=(r, world, port, cfg_path, logs[r]),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + cfg["timeout"]
-        failed_at = None
-        while any(p.exitcode is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > 10):
-                for p in procs:
-                    if p.exitcode is None:
-                        p.kill()
-                break
-            time.sleep(0.05)
-        for p in procs:
-            p.join()
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            bad = next((r for r, c in enumerate(codes) if c not in (0, -9)), 0)
-            with open(logs[bad], errors="replace") as f:
-                tail = f.read()[-4000:]
-            raise RuntimeError(f"{cfg['impl']}: exit codes {codes}; rank {bad} output:\n{tail}")
-        out = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"result{r}.json")) as f:
-                out.append(json.load(f))
-        return out
+    return run_ranks("benchmarks.tp", _PRELOAD, cfg, world, cfg["timeout"], cfg["impl"])
 
 
 def summarise_launch(ranks: list[dict]) -> dict:

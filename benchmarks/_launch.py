@@ -1,0 +1,110 @@
+"""Fresh gloo rank processes for the benchmarks, forked from a warm fork server.
+
+No torch import here: the orchestrating process stays torch-free, so a rank's
+``ru_maxrss`` is its own. Each benchmark module defines ``_worker_entry(cfg_path)``
+(the rank's work: read the config, run, write ``result<rank>.json`` into
+``cfg["tmpdir"]``) and calls :func:`run_ranks` with its module name and the
+modules the fork server should import once.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the launch timed out; the message has a rank's output tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_CONTEXTS: dict = {}
+
+
+def forkserver(preload: list[str]):
+    """A forkserver context whose server has ``preload`` imported (one per list)."""
+    key = tuple(preload)
+    if key not in _CONTEXTS:
+        import multiprocessing as mp
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # before the server imports torch
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+        _CONTEXTS[key] = ctx
+    return _CONTEXTS[key]
+
+
+def rank_main(module: str, rank: int, world: int, port: int, cfg_path: str,
+              log_path: str) -> None:
+    """Entry of a forked rank: redirect output, set the rendezvous env, run."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        importlib.import_module(module)._worker_entry(cfg_path)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def run_ranks(module: str, preload: list[str], cfg: dict, world: int, timeout: float,
+              what: str) -> list[dict]:
+    """Run ``module._worker_entry`` in ``world`` fresh ranks; every rank's result.
+
+    Once a rank failed the others get 10 s; past ``timeout`` all are killed.
+    Raises :class:`LaunchError` naming ``what``, with a failing rank's output.
+    """
+    ctx = forkserver(preload)
+    with tempfile.TemporaryDirectory(prefix="bench_") as tmp:
+        cfg = dict(cfg, tmpdir=tmp)
+        cfg_path = os.path.join(tmp, "cfg.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        port = free_port()
+        logs = [os.path.join(tmp, f"out{r}.txt") for r in range(world)]
+        procs = [ctx.Process(target=rank_main, args=(module, r, world, port, cfg_path, logs[r]),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+            timed_out = time.monotonic() > deadline
+            if timed_out or (failed_at and time.monotonic() - failed_at > 10):
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                for p in procs:
+                    p.join()
+                break
+            time.sleep(0.05)
+        codes = [p.exitcode for p in procs]
+        if any(c != 0 for c in codes):
+            why = "timed out" if timed_out else "failed"
+            bad = next((r for r, c in enumerate(codes) if c not in (0, -9, None)), 0)
+            with open(logs[bad], errors="replace") as f:
+                tail = f.read()[-4000:]
+            raise LaunchError(f"{what} {why}: exit codes {codes}; rank {bad} output:\n{tail}")
+        out = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"result{r}.json")) as f:
+                out.append(json.load(f))
+        return out
