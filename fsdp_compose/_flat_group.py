@@ -320,12 +320,16 @@ class FlatGroup:
         self._pending = streams.all_gather(self.flat_data, src, self.pg)
         self.state = ShardedState.UNSHARDING
 
-    def wait_for_unshard(self) -> None:
+    def _complete_gather(self) -> None:
+        """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""
         if self.state is ShardedState.UNSHARDING:
             self._pending.wait()
             self._pending = None
             self._pf_shard = None
             self.state = ShardedState.UNSHARDED
+
+    def wait_for_unshard(self) -> None:
+        self._complete_gather()
         if self.state is ShardedState.UNSHARDED:
             self.install_unsharded()
 
@@ -334,11 +338,7 @@ class FlatGroup:
         (reshard_after_forward=N) for a backward all-gather within N ranks."""
         if self.state is ShardedState.SHARDED:
             return
-        if self.state is ShardedState.UNSHARDING:  # never free memory a collective writes
-            self._pending.wait()
-            self._pending = None
-            self._pf_shard = None
-            self.state = ShardedState.UNSHARDED
+        self._complete_gather()  # never free memory a collective writes
         if self.state is ShardedState.PARTIAL:
             if not to_post_forward:
                 self._pf_shard = None
@@ -358,8 +358,7 @@ class FlatGroup:
     def keep_unsharded(self) -> None:
         """Stay gathered past backward (set_reshard_after_backward(False)), but
         let the modules show the sharded Parameters between steps."""
-        if self.state is ShardedState.UNSHARDING:
-            self.wait_for_unshard()
+        self._complete_gather()
         if self.state is ShardedState.UNSHARDED:
             self.install_sharded()
 

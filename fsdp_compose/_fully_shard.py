@@ -34,6 +34,11 @@ class FSDPModule:
     def _unit(self) -> Unit:
         return unit_of(self)
 
+    def _units(self, recurse: bool) -> list[Unit]:
+        """This module's unit and, with ``recurse``, every unit below it."""
+        found = (unit_of(m) for m in (self.modules() if recurse else [self]))
+        return list(dict.fromkeys(u for u in found if u is not None))
+
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this unit's parameters and install full-shape views.
 
@@ -58,12 +63,9 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters after forward (True) or keep them for backward."""
-        modules = self.modules() if recurse else [self]
-        for m in modules:
-            u = unit_of(m)
-            if u is not None:
-                u.user_reshard_after_forward = bool(reshard_after_forward)
-                u.reshard_after_forward = bool(reshard_after_forward)
+        for u in self._units(recurse):
+            u.user_reshard_after_forward = bool(reshard_after_forward)
+            u.reshard_after_forward = bool(reshard_after_forward)
 
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
@@ -76,21 +78,17 @@ class FSDPModule:
         gradient per unit of memory while accumulating; saves every
         reduce-scatter but the last. Every rank must use the same setting.
         """
-        for m in (self.modules() if recurse else [self]):
-            u = unit_of(m)
-            if u is not None:
-                u.requires_gradient_sync = bool(requires_gradient_sync)
+        for u in self._units(recurse):
+            u.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, gradients are reduce-scattered within the shard
         group but not all-reduced across replicas; the reduce-scattered sum is
         kept and the next backward with True all-reduces it once (``p.grad`` is
         updated then). Every rank must use the same setting."""
-        for m in (self.modules() if recurse else [self]):
-            u = unit_of(m)
-            if u is not None:
-                for g in u.groups:
-                    g.requires_all_reduce = bool(requires_all_reduce)
+        for u in self._units(recurse):
+            for g in u.groups:
+                g.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -98,10 +96,8 @@ class FSDPModule:
         forward (another microbatch) all-gathers nothing. Costs the unsharded
         parameters' memory between steps. Safe across an optimizer step: a unit
         whose shard changed since it was gathered is gathered again."""
-        for m in (self.modules() if recurse else [self]):
-            u = unit_of(m)
-            if u is not None:
-                u.reshard_after_backward = bool(reshard_after_backward)
+        for u in self._units(recurse):
+            u.reshard_after_backward = bool(reshard_after_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Call on the root. With False, the backward does not wait for its last

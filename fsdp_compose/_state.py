@@ -94,6 +94,8 @@ class RootContext:
         self._launched: set[Unit] = set()
         self._in_flight: list = []
         self._bucket: list[Unit] = []            # units waiting to be reduced as one bucket
+        self._bucket_bytes = 0                   # ... and their flat gradients' size
+        self._last: int | None = None            # see _last_reduced
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
 
@@ -210,22 +212,25 @@ class RootContext:
             if self.root.bucket_bytes <= 0:
                 self._launch(unit)
                 continue
+            # A bucket ends at the byte limit or at the last unit to reduce: a
+            # function of the reduce order and the sizes only (never of timing),
+            # so every rank buckets alike.
             self._bucket.append(unit)
-            if self._bucket_ends(unit, order):
+            self._bucket_bytes += sum(g.padded_numel * g.reduce_dtype.itemsize
+                                      for g in unit.trainable)
+            if self._bucket_bytes >= self.root.bucket_bytes or self._next > self._last_reduced():
                 self._launch_bucket()
 
-    def _bucket_ends(self, unit: Unit, order: list[Unit]) -> bool:
-        """Whether ``unit`` closes the bucket being filled: the bucket reached
-        the byte limit, or no unit to reduce follows. A function of the reduce
-        order and the sizes only (never of timing), so every rank buckets alike."""
-        size = sum(g.padded_numel * g.reduce_dtype.itemsize
-                   for u in self._bucket for g in u.trainable)
-        if size >= self.root.bucket_bytes:
-            return True
-        return not any(u.trainable and u.requires_gradient_sync for u in order[self._next:])
+    def _last_reduced(self) -> int:
+        """Index in the reduce order of the last unit that has something to reduce."""
+        if self._last is None:
+            order = self.reduce_order()
+            self._last = max((i for i, u in enumerate(order)
+                              if u.trainable and u.requires_gradient_sync), default=-1)
+        return self._last
 
     def _launch_bucket(self) -> None:
-        units, self._bucket = self._bucket, []
+        units, self._bucket, self._bucket_bytes = self._bucket, [], 0
         self._drain()
         by_key: dict[tuple, list] = {}
         for u in units:
@@ -237,13 +242,15 @@ class RootContext:
         with label("reduce_scatter", units[-1].fqn):
             self._in_flight = [launch for groups in by_key.values()
                                for launch in launch_bucket(groups, self.streams)]
-        if not self.root.overlap_reduce_scatter:
-            self._drain()
+        self._maybe_wait()
 
     def _launch(self, unit: Unit) -> None:
         self._drain()  # also folds an earlier part of this unit's gradient first
         self._launched.add(unit)
         self._in_flight = unit.launch_reduce_scatters()
+        self._maybe_wait()
+
+    def _maybe_wait(self) -> None:
         if not self.root.overlap_reduce_scatter:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
@@ -280,7 +287,7 @@ class RootContext:
         self._next = 0
         self._ready.clear()
         self._launched.clear()
-        self._bucket = []
+        self._bucket, self._bucket_bytes, self._last = [], 0, None
 
     def _abort_step(self) -> None:
         self._in_flight = []
