@@ -107,6 +107,7 @@ def _errors(rank, world):
 
     knobs = shard(Net())
     out["prefetch_depth_negative"] = _error(lambda: knobs.layers[0].set_prefetch_depth(-1))
+    out["bucket_negative"] = _error(lambda: knobs.layers[0].set_reduce_scatter_bucket_bytes(-1))
     out["prefetch_not_sharded"] = _error(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
     out["forward_method_missing"] = _error(
@@ -134,6 +135,7 @@ def errors():
     ("moved_after", "RuntimeError", ["<root>", "'inp.weight'", "before calling fully_shard"]),
     ("param_info_plain", "ValueError", ["not a parameter sharded by fully_shard"]),
     ("prefetch_depth_negative", "ValueError", ["unit 'layers.0'", "int >= 0", "-1"]),
+    ("bucket_negative", "ValueError", ["unit 'layers.0'", "int >= 0 (bytes)", "-1"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
 ])

@@ -232,12 +232,18 @@ def stale_after_step(rank, world):
 def last_backward(rank, world):
     """set_is_last_backward(False) leaves a reduce-scatter in flight between
     microbatches; the last backward makes every p.grad final."""
+    left_in_flight = []
+
     def each(model, k, micro):
+        if k > 0:  # what the previous (non-last) backward left behind
+            left_in_flight.append(len(model._unit().ctx._in_flight))
         model.set_is_last_backward(k == micro - 1)
 
     problems, counts = _fp32_parity(rank, world, micro=3, each_micro=each)
     if world > 1 and any(c[1] != 5 for step in counts for c in step):
         problems.append(f"counts {counts}")
+    if world > 1 and (not left_in_flight or not all(left_in_flight)):
+        problems.append(f"nothing left in flight by non-last backwards: {left_in_flight}")
     return problems
 
 
