@@ -3,6 +3,26 @@
 Every call is issued with ``async_op=True`` and returns the work handle; the
 caller decides where to ``wait()``. On NCCL that makes the current CUDA stream
 wait for the collective; on gloo it blocks the CPU until the data is there.
+
+[Note: gloo collectives]
+gloo's tensor all-gather and reduce-scatter are not in place: the all-gather
+copies the input into a temporary and the gathered temporary into the output,
+and the reduce-scatter clones its whole (world·S) input, all-reduces the clone
+and copies one slice out. Each fresh temporary is also page-faulted in (large
+CPU allocations are mmap'd). So for CPU tensors on gloo we issue what those
+are made of, in place on our own buffers:
+
+* all-gather = one ``broadcast`` per rank of that rank's chunk of the output
+  (every chunk is a contiguous view; ours already holds our shard);
+* reduce-scatter = ``all_reduce`` of the flat gradient in place, then our
+  chunk copied out when the caller waits (the rest of the flat gradient is
+  garbage the caller drops anyway).
+
+Measured on 2 gloo ranks (benchmarks/collectives.py, 64 MiB, median of 11):
+all-gather 119 -> 70 ms wall, 101 -> 45 ms CPU; reduce-scatter 129 -> 95 ms
+wall, 114 -> 78 ms CPU; no extra world·S temporary. The same at 16 MiB and
+at 4 ranks; at 64 KiB every variant is within noise. NCCL keeps its
+reduce-scatter and all-gather.
 """
 from __future__ import annotations
 
@@ -35,20 +55,74 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work:
+_GLOO: dict = {}  # process group -> (rank, size) in it if it is gloo, else None
+
+
+def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
+    """(rank, size) when ``t`` takes the in-place gloo path (see the Note), else None."""
+    if t.device.type != "cpu":
+        return None
+    key = group if group is not None else dist.group.WORLD
+    if key not in _GLOO:
+        gloo = dist.get_backend(group) == "gloo"
+        _GLOO[key] = (dist.get_rank(group), dist.get_world_size(group)) if gloo else None
+    return _GLOO[key]
+
+
+class _Works:
+    """Several works waited as one; ``then`` runs once, after the first wait
+    (waiting a gloo work again is not free: see _flat_group._WaitOnce)."""
+
+    def __init__(self, works: list, then=None):
+        self._works, self._then = works, then
+
+    def wait(self) -> bool:
+        if self._works is not None:
+            for w in self._works:
+                w.wait()
+            self._works = None
+            if self._then is not None:
+                self._then()
+                self._then = None
+        return True
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
     """``output`` (world·S) ← every rank's ``shard`` (S), in rank order."""
     _stats.all_gather_calls += 1
     _stats.all_gather_bytes += _nbytes(output)
-    return _all_gather_tensor(output, shard, group=group, async_op=True)
+    gloo = _in_place_gloo(output, group)
+    if gloo is None:
+        return _all_gather_tensor(output, shard, group=group, async_op=True)
+    rank, world = gloo
+    chunks = output.view(world, -1)
+    if chunks[rank].data_ptr() != shard.data_ptr():
+        chunks[rank].copy_(shard)
+    return _Works([dist.broadcast(chunks[r], group=group, group_src=r, async_op=True)
+                   for r in range(world)])
 
 
 def reduce_scatter(output: torch.Tensor, flat_grad: torch.Tensor, group,
-                   op=dist.ReduceOp.AVG) -> dist.Work:
+                   op=dist.ReduceOp.AVG):
     """``output`` (S) ← ``op`` (mean by default) over ranks of this rank's chunk of
-    ``flat_grad`` (world·S)."""
+    ``flat_grad`` (world·S). On gloo, ``flat_grad`` is overwritten."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
-    return _reduce_scatter_tensor(output, flat_grad, op=op, group=group, async_op=True)
+    gloo = _in_place_gloo(flat_grad, group)
+    if gloo is None:
+        return _reduce_scatter_tensor(output, flat_grad, op=op, group=group, async_op=True)
+    rank, world = gloo
+    mine = flat_grad.view(world, -1)[rank]
+    avg = op == dist.ReduceOp.AVG
+
+    def take_mine():
+        if avg:
+            torch.div(mine, world, out=output)
+        else:
+            output.copy_(mine)
+
+    work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _Works([work], take_mine)
 
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:
