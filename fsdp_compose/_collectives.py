@@ -70,21 +70,40 @@ def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
 
 
 class _Works:
-    """Several works waited as one; ``then`` runs once, after the first wait
-    (waiting a gloo work again is not free: see _flat_group._WaitOnce)."""
+    """Several works waited as one (an all-gather made of broadcasts)."""
 
-    def __init__(self, works: list, then=None):
-        self._works, self._then = works, then
+    def __init__(self, works: list):
+        self._works = works
 
     def wait(self) -> bool:
-        if self._works is not None:
-            for w in self._works:
-                w.wait()
-            self._works = None
-            if self._then is not None:
-                self._then()
-                self._then = None
+        for w in self._works:
+            w.wait()
+        self._works = []
         return True
+
+
+class ReduceScatterWork:
+    """A reduce-scatter in flight. ``wait()`` returns this rank's reduced chunk;
+    waiting again returns the same tensor without touching the collective
+    (waiting a gloo work twice copies its result again)."""
+
+    def __init__(self, work, output: torch.Tensor | None, finish=None):
+        self._work, self._finish, self.output = work, finish, output
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._finish is not None:
+                self.output, self._finish = self._finish(), None
+        return self.output
+
+
+class Ready(ReduceScatterWork):
+    """A reduction with nothing to communicate (one rank): the input is the result."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__(None, output)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
@@ -102,27 +121,27 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
                    for r in range(world)])
 
 
-def reduce_scatter(output: torch.Tensor, flat_grad: torch.Tensor, group,
-                   op=dist.ReduceOp.AVG):
-    """``output`` (S) ← ``op`` (mean by default) over ranks of this rank's chunk of
-    ``flat_grad`` (world·S). On gloo, ``flat_grad`` is overwritten."""
+def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG) -> ReduceScatterWork:
+    """``op`` (mean by default) over ranks of this rank's chunk of ``flat_grad``
+    (world·S); ``wait()`` gives the S-element result. On gloo ``flat_grad`` is
+    overwritten, and the result is allocated only when waited (not while the
+    collective is in flight)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = _in_place_gloo(flat_grad, group)
     if gloo is None:
-        return _reduce_scatter_tensor(output, flat_grad, op=op, group=group, async_op=True)
+        world = dist.get_world_size(group)
+        out = flat_grad.new_empty(flat_grad.numel() // world)
+        return ReduceScatterWork(
+            _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=True), out)
     rank, world = gloo
     mine = flat_grad.view(world, -1)[rank]
-    avg = op == dist.ReduceOp.AVG
-
-    def take_mine():
-        if avg:
-            torch.div(mine, world, out=output)
-        else:
-            output.copy_(mine)
-
+    if op == dist.ReduceOp.AVG:
+        finish = lambda: torch.div(mine, world)  # noqa: E731
+    else:
+        finish = mine.clone
     work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _Works([work], take_mine)
+    return ReduceScatterWork(work, None, finish)
 
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:

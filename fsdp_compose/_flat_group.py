@@ -121,17 +121,19 @@ class _GradLaunch:
     """A reduce-scatter in flight, and how to fold its output into p.grad."""
 
     group: "FlatGroup"
-    pending: Pending
-    output: torch.Tensor
+    pending: Pending     # wait() gives the reduced output
     mode: str  # "fresh" | "accumulate" | "mixed"
     post_divide: float | None = None
+    span: tuple[int, int] | None = None  # this group's part of a bucket's output
     done: bool = field(default=False)
 
     def finish(self) -> None:
         if not self.done:
-            self.pending.wait()
+            out = self.pending.wait()
             self.done = True
-            self.group._finish_reduce(self.output, self.mode, self.post_divide)
+            if self.span is not None:
+                out = out[self.span[0]:self.span[1]]
+            self.group._finish_reduce(out, self.mode, self.post_divide)
 
 
 class FlatGroup:
@@ -403,11 +405,9 @@ class FlatGroup:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
         flat_grad, mode, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, Pending(None, ()), flat_grad, mode, post)
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            return _GradLaunch(self, streams.ready(flat_grad), mode, post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
-        return _GradLaunch(self, streams.reduce_scatter(out, flat_grad, self.rs_pg, op), out,
-                           mode, post)
+        return _GradLaunch(self, streams.reduce_scatter(flat_grad, self.rs_pg, op), mode, post)
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
@@ -474,21 +474,6 @@ class FlatGroup:
                 f"{self.state.name})")
 
 
-class _WaitOnce:
-    """A collective several launches share, waited only once: waiting a gloo
-    reduce-scatter again copies its result into the output again, over
-    whatever the first launches already did to their slices (the HSDP
-    all-reduce)."""
-
-    def __init__(self, pending: Pending):
-        self.pending, self.done = pending, False
-
-    def wait(self) -> None:
-        if not self.done:
-            self.pending.wait()
-            self.done = True
-
-
 def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
     """ONE reduce-scatter for several groups with the same ``bucket_key()``.
 
@@ -504,11 +489,10 @@ def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_Grad
     taken = [g.take_grad() for g in groups]
     W = first.world
     flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)], dim=1)
-    out = torch.empty(flat.shape[1], dtype=first.reduce_dtype, device=first.device)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
-    pending = _WaitOnce(streams.reduce_scatter(out, flat.view(-1), first.rs_pg, op))
+    pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op)  # waited once, shared
     launches, at = [], 0
     for g, (_, mode, _, post) in zip(groups, taken):
-        launches.append(_GradLaunch(g, pending, out[at:at + g.shard_numel], mode, post))
+        launches.append(_GradLaunch(g, pending, mode, post, (at, at + g.shard_numel)))
         at += g.shard_numel
     return launches

@@ -26,12 +26,12 @@ from . import _collectives
 
 
 class Pending(NamedTuple):
-    work: dist.Work | None
+    work: object  # a dist.Work, or one of _collectives' works (ReduceScatterWork, ...)
     keep_alive: tuple  # tensors the collective reads or writes
 
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
+    def wait(self):
+        """Block until the data is there; a reduce-scatter returns its result."""
+        return self.work.wait()
 
 
 class StreamManager:
@@ -43,9 +43,13 @@ class StreamManager:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group) -> Pending:
         return Pending(_collectives.all_gather(output, shard, group), (output, shard))
 
-    def reduce_scatter(self, output: torch.Tensor, flat_grad: torch.Tensor, group,
-                       op=dist.ReduceOp.AVG) -> Pending:
-        return Pending(_collectives.reduce_scatter(output, flat_grad, group, op), (output, flat_grad))
+    def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG) -> Pending:
+        return Pending(_collectives.reduce_scatter(flat_grad, group, op), (flat_grad,))
+
+    @staticmethod
+    def ready(result: torch.Tensor) -> Pending:
+        """Nothing to communicate (one rank): ``wait()`` returns ``result``."""
+        return Pending(_collectives.Ready(result), ())
 
     def __repr__(self) -> str:
         return f"StreamManager(device={self.device}, mode=async-collectives)"
