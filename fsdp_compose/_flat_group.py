@@ -322,6 +322,14 @@ class FlatGroup:
         self._pending = streams.all_gather(self.flat_data, src, self.pg)
         self.state = ShardedState.UNSHARDING
 
+    def gather_key(self) -> tuple | None:
+        """Groups with equal keys can share one all-gather (see gather_bucket);
+        None: this group is not gathered by a plain all-gather right now."""
+        if self.state is not ShardedState.SHARDED or self.world == 1 or self._aliased \
+                or self.device.type == "meta":
+            return None
+        return (self.compute_dtype, self.pg, self.world, self.device)
+
     def _complete_gather(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""
         if self.state is ShardedState.UNSHARDING:
@@ -496,3 +504,47 @@ def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_Grad
         launches.append(_GradLaunch(g, pending, mode, post, (at, at + g.shard_numel)))
         at += g.shard_numel
     return launches
+
+
+class _GatherBucketWork:
+    """The all-gather several groups share: waited once, then every group's
+    chunks are copied from the bucket into its own flat buffer."""
+
+    def __init__(self, pending: Pending, groups: list[FlatGroup], buf: torch.Tensor):
+        self._pending, self._groups, self._buf = pending, groups, buf
+
+    def wait(self) -> bool:
+        if self._pending is not None:
+            self._pending.wait()
+            W = self._groups[0].world
+            rows, at = self._buf.view(W, -1), 0
+            for g in self._groups:
+                g.flat_data.view(W, g.shard_numel).copy_(rows[:, at:at + g.shard_numel])
+                at += g.shard_numel
+            self._pending = self._groups = self._buf = None
+        return True
+
+
+def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
+    """ONE all-gather for several sharded groups with the same ``gather_key()``.
+
+    The bucket is rank-major (for each rank r, every group's chunk r in turn):
+    this rank's row is filled from the shards (cast / host-to-device in the
+    same pass), gathered, and each group's chunks are copied into its flat
+    when the first of them waits. For many small units, where a collective's
+    latency dominates its bytes: one collective instead of one per unit, for
+    two copies of the bucket.
+    """
+    first = groups[0]
+    W, total = first.world, sum(g.shard_numel for g in groups)
+    buf = torch.empty(W * total, dtype=first.compute_dtype, device=first.device)
+    mine, at = buf.view(W, total)[first.rank], 0
+    for g in groups:
+        g.unsharded_version = g.shard._version
+        g._alloc_flat()
+        mine[at:at + g.shard_numel].copy_(g.shard, non_blocking=g.shard.is_pinned())
+        at += g.shard_numel
+    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg), groups, buf)
+    for g in groups:
+        g._pending = Pending(work, ())
+        g.state = ShardedState.UNSHARDING

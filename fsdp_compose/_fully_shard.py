@@ -132,15 +132,30 @@ class FSDPModule:
 
     def set_reduce_scatter_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Reduce-scatter the gradients of consecutive units
-        (in the backward's reduce order) together, one collective per bucket of
-        at least ``nbytes`` (0, the default: one per unit). For many small
-        units, where each collective's latency dominates its bytes; costs one
-        copy of the bucket's flat gradients (a rank-major ``cat``), and a unit's
-        gradient waits until its bucket is complete."""
+        (in the backward's reduce order) together: one collective for a run of
+        units whose flat gradients add up to at most ``nbytes`` (default 1 MiB;
+        a larger unit is reduced alone; 0: one collective per unit). For many
+        small units, where each collective's latency dominates its bytes; costs
+        one copy of the bucket's flat gradients (a rank-major ``cat``), and a
+        unit's gradient waits until its bucket is complete."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise unit_error(self._unit().fqn, f"bucket size must be an int >= 0 (bytes), got "
                              f"{nbytes!r}.", exc=ValueError)
         self._unit().bucket_bytes = nbytes
+
+    def set_all_gather_bucket_bytes(self, nbytes: int) -> None:
+        """Call on the root. All-gather consecutive units (in the last step's
+        forward order, and in backward's gather order) together: one collective
+        for a run of sharded units whose unsharded sizes add up to at most
+        ``nbytes`` (default 1 MiB; a larger unit is gathered alone; 0: one
+        collective per unit). For many small units, where each collective's latency dominates
+        its bytes; costs two copies of the bucket, and the bucket's units are
+        unsharded together (at most ``nbytes`` more in flight). The first
+        step's forward has no recorded order yet and gathers per unit."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise unit_error(self._unit().fqn, f"bucket size must be an int >= 0 (bytes), got "
+                             f"{nbytes!r}.", exc=ValueError)
+        self._unit().gather_bucket_bytes = nbytes
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).

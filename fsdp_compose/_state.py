@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from . import _compat
 from ._common import TrainingState, label, trace, unit_error
-from ._flat_group import launch_bucket
+from ._flat_group import gather_bucket, launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
 
@@ -57,11 +57,13 @@ class FlatParamRegistry:
         self.units = units
         self.execution_order: list[Unit] = []
         self._next: dict[Unit, list[Unit]] = {}
+        self.position: dict[Unit, int] = {}
 
     def set_order(self, order: list[Unit]) -> None:
         if order != self.execution_order:
             self.execution_order = order
             self._next = {u: order[i + 1:] for i, u in enumerate(order)}
+            self.position = {u: i for i, u in enumerate(order)}
 
     def next_units(self, unit: Unit, n: int) -> list[Unit]:
         return self._next.get(unit, [])[:n]
@@ -95,7 +97,7 @@ class RootContext:
         self._in_flight: list = []
         self._bucket: list[Unit] = []            # units waiting to be reduced as one bucket
         self._bucket_bytes = 0                   # ... and their flat gradients' size
-        self._last: int | None = None            # see _last_reduced
+        self._following: list | None = None      # see _next_reduced_bytes
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
 
@@ -140,6 +142,45 @@ class RootContext:
             if not v.is_unsharded:
                 trace("prefetch", v.fqn, "forward")
                 v.unshard()
+
+    def gather_in_bucket(self, unit: Unit) -> bool:
+        """All-gather ``unit`` and the units after it in the current order (the
+        last step's forward order in a training forward, the gather order in
+        backward) as one bucket, if all-gather buckets are on and at least two
+        fit. A bucket is a maximal run of consecutive units that are sharded
+        and together write at most the bucket size: a function of the order,
+        the sizes and the sharded states, which every rank shares, so every
+        rank issues the same collectives."""
+        limit = self.root.gather_bucket_bytes
+        if limit <= 0:
+            return False
+        if self._callback_queued:  # in backward
+            pos, order = self._gather_positions(), self._gather_order
+        elif self.in_training_forward:
+            pos, order = self.registry.position, self.registry.execution_order
+        else:
+            return False  # eval: nothing would reshard what a bucket fetched ahead
+        i = pos.get(unit)
+        if i is None:
+            return False
+        units, total = [], 0
+        for v in order[i:]:
+            nbytes = v.gather_bytes()
+            if nbytes is None or (units and total + nbytes > limit):
+                break
+            units.append(v)
+            total += nbytes
+        if len(units) < 2:
+            return False
+        by_key: dict[tuple, list] = {}
+        for v in units:
+            trace("all_gather", v.fqn, "bucketed")
+            for g in v.groups:
+                by_key.setdefault(g.gather_key(), []).append(g)
+        with label("all_gather", units[0].fqn):
+            for groups in by_key.values():
+                gather_bucket(groups, self.streams)
+        return True
 
     def expect_backward(self, unit: Unit) -> None:
         self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
@@ -212,22 +253,29 @@ class RootContext:
             if self.root.bucket_bytes <= 0:
                 self._launch(unit)
                 continue
-            # A bucket ends at the byte limit or at the last unit to reduce: a
-            # function of the reduce order and the sizes only (never of timing),
-            # so every rank buckets alike.
+            # A bucket ends before the next unit to reduce would take it past
+            # the byte limit (a larger unit goes alone), or at the last unit to
+            # reduce: a function of the reduce order and the sizes only (never
+            # of timing), so every rank buckets alike.
             self._bucket.append(unit)
-            self._bucket_bytes += sum(g.padded_numel * g.reduce_dtype.itemsize
-                                      for g in unit.trainable)
-            if self._bucket_bytes >= self.root.bucket_bytes or self._next > self._last_reduced():
+            self._bucket_bytes += _grad_bytes(unit)
+            following = self._next_reduced_bytes()[self._next]
+            if following is None or self._bucket_bytes + following > self.root.bucket_bytes:
                 self._launch_bucket()
 
-    def _last_reduced(self) -> int:
-        """Index in the reduce order of the last unit that has something to reduce."""
-        if self._last is None:
+    def _next_reduced_bytes(self) -> list:
+        """[i]: flat-gradient bytes of the first unit at index >= i of the reduce
+        order that has something to reduce (None: no such unit); once per backward."""
+        if self._following is None:
             order = self.reduce_order()
-            self._last = max((i for i, u in enumerate(order)
-                              if u.trainable and u.requires_gradient_sync), default=-1)
-        return self._last
+            out, following = [None] * (len(order) + 1), None
+            for i in range(len(order) - 1, -1, -1):
+                u = order[i]
+                if u.trainable and u.requires_gradient_sync:
+                    following = _grad_bytes(u)
+                out[i] = following
+            self._following = out
+        return self._following
 
     def _launch_bucket(self) -> None:
         units, self._bucket, self._bucket_bytes = self._bucket, [], 0
@@ -287,7 +335,7 @@ class RootContext:
         self._next = 0
         self._ready.clear()
         self._launched.clear()
-        self._bucket, self._bucket_bytes, self._last = [], 0, None
+        self._bucket, self._bucket_bytes, self._following = [], 0, None
 
     def _abort_step(self) -> None:
         self._in_flight = []
@@ -300,6 +348,10 @@ class RootContext:
 
 
 # ---------------------------------------------------------------------------
+def _grad_bytes(unit: Unit) -> int:
+    return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
+
+
 def _units_below(module: nn.Module) -> list[tuple[str, Unit]]:
     found: dict[Unit, str] = {}
     for name, m in module.named_modules():

@@ -59,7 +59,8 @@ class Unit:
         # in-flight unsharded memory to the current unit plus this many.
         self.prefetch_depth = 1
         self.overlap_reduce_scatter = True  # read on the root, see set_overlap_reduce_scatter
-        self.bucket_bytes = 0  # read on the root, see set_reduce_scatter_bucket_bytes
+        self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
+        self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.backward_prefetch: list[Unit] | None = None
         # False: keep accumulating the unsharded flat gradient, no reduce-scatter
@@ -90,8 +91,12 @@ class Unit:
         return self.ctx
 
     def unshard(self) -> None:
-        """Issue the all-gathers of every group (no wait)."""
-        streams = self._ensure_ctx().streams
+        """Issue the all-gathers of every group (no wait); with all-gather
+        buckets on, also of the units that follow in the current order."""
+        ctx = self._ensure_ctx()
+        if ctx.gather_in_bucket(self):
+            return
+        streams = ctx.streams
         issued = False
         for g in self.groups:
             issued |= g.world > 1 and (g.state is ShardedState.SHARDED
@@ -99,6 +104,14 @@ class Unit:
             g.unshard(streams)
         if issued:
             trace("all_gather", self.fqn, self.state.name)
+
+    def gather_bytes(self) -> int | None:
+        """Bytes its all-gathers write, if every group would be gathered by a
+        plain all-gather now (sharded, world > 1); else None."""
+        keys = [g.gather_key() for g in self.groups]
+        if not keys or None in keys:
+            return None
+        return sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
 
     def wait_for_unshard(self) -> None:
         for g in self.groups:
