@@ -302,6 +302,17 @@ class RootContext:
         if not self.root.overlap_reduce_scatter:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
+    def finish_in_flight(self) -> None:
+        """[Note: early wait] Where waiting blocks the CPU (gloo), a unit's
+        reduce-scatter overlaps the next unit's backward only until that unit's
+        first parameter gradient is computed (a hook on one of its views), not
+        until its post-backward: the W·S flat gradient in flight is freed before
+        the next unit's parameter gradients and their ``cat`` into its flat
+        gradient, the peak of a unit's backward. Measured on the memory shape
+        (2 gloo ranks): the peak RSS drops by one gradient shard to FSDP1's."""
+        if self._in_flight:
+            self._drain()
+
     def _drain(self) -> None:
         for launch in self._in_flight:
             launch.finish()

@@ -39,6 +39,8 @@ class StreamManager:
 
     def __init__(self, device: torch.device):
         self.device = device
+        # gloo on CPU: wait() blocks this thread; NCCL: it only orders streams
+        self.waits_block_cpu = device.type == "cpu"
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group) -> Pending:
         return Pending(_collectives.all_gather(output, shard, group), (output, shard))
