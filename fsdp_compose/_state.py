@@ -100,6 +100,7 @@ class RootContext:
         self._following: list | None = None      # see _next_reduced_bytes
         self.accumulated = False                # a flat gradient arrived in this backward
         self.in_training_forward = False        # inside a grad-enabled forward of the root
+        self.communicates = True                # some group has world > 1 (set at lazy init)
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
@@ -152,7 +153,7 @@ class RootContext:
         the sizes and the sharded states, which every rank shares, so every
         rank issues the same collectives."""
         limit = self.root.gather_bucket_bytes
-        if limit <= 0:
+        if limit <= 0 or not self.communicates:
             return False
         if self._callback_queued:  # in backward
             pos, order = self._gather_positions(), self._gather_order
@@ -250,7 +251,7 @@ class RootContext:
             if not final and unit not in self._ready:
                 break
             self._next += 1
-            if self.root.bucket_bytes <= 0:
+            if self.root.bucket_bytes <= 0 or not self.communicates:
                 self._launch(unit)
                 continue
             # A bucket ends before the next unit to reduce would take it past
@@ -400,6 +401,7 @@ def lazy_init_root(unit: Unit) -> None:
         _check_params(u)
     device = unit.groups[0].device if unit.groups else torch.device("cpu")
     ctx = RootContext(unit, units, device)
+    ctx.communicates = any(g.world > 1 for u in units for g in u.groups)
     for u in units:
         u.ctx = ctx
         raf = u.user_reshard_after_forward
