@@ -1,0 +1,231 @@
+"""The gloo all-gather / reduce-scatter of ``fsdp_compose._collectives``.
+
+On CPU tensors over gloo they are built from broadcasts and an in-place
+all-reduce (see the "[Note: gloo collectives]" there). These tests check the
+results against torch's own tensor collectives, bit for bit, on the world
+group and on subgroups (where a group rank is not the global rank), and that
+the in-place path is really the one taken.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_compose import _collectives as C
+
+from ._dist import run_distributed
+
+# torch's native tensor collectives (the new names where present: the old warn).
+_native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN-safe, tells -0.0 from 0.0)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype])))
+
+
+def _groups(rank: int, world: int) -> list[tuple[str, object]]:
+    """(name, group) for every group this rank is in; the same calls on every rank.
+
+    At 4 ranks: interleaved pairs {0, 2} {1, 3} (group rank != global rank, and
+    group rank 0 is not global rank 0 for half of them) and {1, 2, 3} (an odd
+    size; rank 0 is not a member)."""
+    out: list[tuple[str, object]] = [("world", None)]
+    if world == 2:
+        out.append(("new_group[0,1]", dist.new_group([0, 1])))
+    else:
+        pairs, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+        out.append((f"pairs{dist.get_process_group_ranks(pairs)}", pairs))
+        three = dist.new_group([1, 2, 3])
+        if rank != 0:
+            out.append(("three[1,2,3]", three))
+    return out
+
+
+def _members(group) -> list[int]:
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
+def _data(global_rank: int, n: int, kind: str, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + global_rank)
+    if kind == "int":  # integer-valued: every summation order gives the same bits
+        return torch.randint(-64, 64, (n,), generator=g).to(dtype)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# all-gather
+
+
+def _all_gather_cases(rank, world):
+    checked = []
+    for gname, group in _groups(rank, world):
+        members = _members(group)
+        w, r = len(members), dist.get_rank(group)
+        for dtype in (torch.float32, torch.bfloat16):
+            for S in (1, 37, 1027):
+                for in_place in (False, True):
+                    case = f"{gname} {dtype} S={S} in_place={in_place}"
+                    shard = _data(rank, S, "randn", dtype)
+                    ref = torch.full((w * S,), float("nan"), dtype=dtype)
+                    _native_all_gather(ref, shard, group=group)
+                    out = torch.full((w * S,), float("nan"), dtype=dtype)
+                    ptr = out.data_ptr()
+                    if in_place:  # the shard is already our chunk of the output
+                        arg = out.view(w, S)[r]
+                        arg.copy_(shard)
+                    else:
+                        arg = shard.clone()
+                    work = C.all_gather(out, arg, group)
+                    assert work.wait() is True, case
+                    assert out.data_ptr() == ptr, case
+                    # every chunk is its group rank's shard, in group rank order
+                    expect = torch.cat([_data(m, S, "randn", dtype) for m in members])
+                    assert _bitwise_equal(out, ref), f"{case}: differs from torch's all-gather"
+                    assert _bitwise_equal(out, expect), f"{case}: not the shards in group rank order"
+                    assert _bitwise_equal(arg, shard), f"{case}: the shard argument changed"
+                    checked.append(case)
+    return checked
+
+
+# ---------------------------------------------------------------------------
+# reduce-scatter
+
+
+class _CountingWork:
+    def __init__(self, work):
+        self.work, self.waits = work, 0
+
+    def wait(self, *a, **k):
+        self.waits += 1
+        return self.work.wait(*a, **k)
+
+
+def _reduce_scatter_cases(rank, world):
+    checked = []
+    for gname, group in _groups(rank, world):
+        members = _members(group)
+        w, r = len(members), dist.get_rank(group)
+        for op_name in ("AVG", "SUM"):
+            op = getattr(dist.ReduceOp, op_name)
+            for kind in ("int", "randn"):
+                for S in (1, 37, 1027):
+                    case = f"{gname} {op_name} {kind} S={S}"
+                    flat = _data(rank, w * S, kind)
+                    ref = torch.full((S,), float("nan"))
+                    _native_reduce_scatter(ref, flat.clone(), op=op, group=group)
+
+                    # count the waits on the underlying collective
+                    real_all_reduce, spies = dist.all_reduce, []
+
+                    def spy(*a, **k):
+                        spies.append(_CountingWork(real_all_reduce(*a, **k)))
+                        return spies[-1]
+
+                    dist.all_reduce = spy
+                    try:
+                        work = C.reduce_scatter(flat.clone(), group, op)
+                    finally:
+                        dist.all_reduce = real_all_reduce
+                    assert len(spies) == 1, f"{case}: {len(spies)} all-reduces"
+                    first = work.wait()
+                    snapshot = first.clone()
+                    second = work.wait()
+                    assert second is first, f"{case}: a second wait() returned another tensor"
+                    assert spies[0].waits == 1, f"{case}: the collective was waited {spies[0].waits}x"
+                    assert first.shape == (S,) and first.dtype == torch.float32, case
+                    assert _bitwise_equal(second, snapshot), f"{case}: a second wait() changed it"
+
+                    # the expected value, from every member's data
+                    chunks = torch.stack([_data(m, w * S, kind).view(w, S)[r] for m in members])
+                    if kind == "int" or w == 2:  # order-free sums: bit for bit
+                        assert _bitwise_equal(first, ref), (
+                            f"{case}: differs from torch's reduce-scatter "
+                            f"({first[:4].tolist()} vs {ref[:4].tolist()})")
+                        exact = chunks.sum(0)
+                        if op_name == "AVG":
+                            exact = exact / w
+                        assert _bitwise_equal(first, exact), f"{case}: not the {op_name} of chunk {r}"
+                    else:
+                        torch.testing.assert_close(first, ref, msg=f"{case}: differs from torch's")
+                    checked.append(case)
+
+    # The result does not alias the (overwritten) flat gradient.
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        flat = _data(rank, world * 8, "int")
+        work = C.reduce_scatter(flat, None, op)
+        res = work.wait()
+        keep = res.clone()
+        flat.fill_(float("nan"))
+        assert _bitwise_equal(res, keep), f"{op}: the result aliases the flat gradient"
+        assert _bitwise_equal(work.wait(), keep), op
+    return checked
+
+
+# ---------------------------------------------------------------------------
+# the in-place gloo path is the one taken; comm_stats counts logical calls
+
+
+def _op_names(prof) -> dict[str, int]:
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def _gloo_path(rank, world):
+    S = 64
+    C.reset_comm_stats()
+    out = torch.empty(world * S)
+    out_bf16 = torch.empty(world * S, dtype=torch.bfloat16)
+    flat = _data(rank, world * S, "int")
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as p_ag:
+        C.all_gather(out, _data(rank, S, "randn"), None).wait()
+    with torch.profiler.profile(activities=acts) as p_rs:
+        C.reduce_scatter(flat, None).wait()
+    C.all_gather(out_bf16, torch.ones(S, dtype=torch.bfloat16), None).wait()
+    stats = C.comm_stats()
+    # the native collectives, for reference: their op names must be the ones we look for
+    with torch.profiler.profile(activities=acts) as p_native:
+        _native_all_gather(torch.empty(world * S), torch.ones(S))
+        _native_reduce_scatter(torch.empty(S), _data(rank, world * S, "int"), op=dist.ReduceOp.AVG)
+    return _op_names(p_ag), _op_names(p_rs), _op_names(p_native), stats
+
+
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_matches_torch(world):
+    cases = run_distributed(_all_gather_cases, world)
+    # fp32/bf16 × 3 sizes × in place or not, on each group (at 4 ranks, rank 0 is in two)
+    assert [len(c) for c in cases] == ([24] * 2 if world == 2 else [24] + [36] * 3), cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_matches_torch(world):
+    cases = run_distributed(_reduce_scatter_cases, world)
+    # AVG/SUM × integer/random data × 3 sizes, on each group
+    assert [len(c) for c in cases] == ([24] * 2 if world == 2 else [24] + [36] * 3), cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_path_is_broadcast_and_all_reduce(world):
+    S = 64
+    for rank, (ag, rs, native, stats) in enumerate(run_distributed(_gloo_path, world)):
+        # the names checked below are torch's names for these collectives
+        assert "c10d::_allgather_base_" in native and "c10d::_reduce_scatter_base_" in native, native
+        assert ag.get("c10d::broadcast_") == world, (rank, ag)  # one broadcast per rank
+        assert not any("allgather" in k or "all_gather" in k or "allreduce" in k
+                       or "reduce_scatter" in k for k in ag), (rank, ag)
+        assert rs.get("c10d::allreduce_") == 1, (rank, rs)
+        assert not any("allgather" in k or "all_gather" in k or "broadcast" in k
+                       or "reduce_scatter" in k for k in rs), (rank, rs)
+        # one logical call each; bytes: the all-gather output, the reduce-scatter input
+        assert stats.all_gather_calls == 2 and stats.reduce_scatter_calls == 1, stats
+        assert stats.all_gather_bytes == world * S * 4 + world * S * 2, stats
+        assert stats.reduce_scatter_bytes == world * S * 4, stats
+        assert stats.all_reduce_calls == 0 and stats.all_reduce_bytes == 0, stats
