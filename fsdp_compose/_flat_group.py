@@ -263,8 +263,8 @@ class FlatGroup:
                 v = DTensor.from_local(v, e.tp.mesh, e.tp.placements, run_check=False,
                                        shape=e.tp.shape, stride=e.tp.stride)
             e.unsharded = v
-        # the last parameter's gradient: usually the first of the unit computed
-        self.grad_probe = chunks[self._view_at[-1]]
+        # the node that assembles flat.grad from the views' gradients (None: no grad)
+        self.split_node = chunks[0].grad_fn
         self._views_installed = False
 
     def install_sharded(self) -> None:

@@ -305,12 +305,15 @@ class RootContext:
 
     def finish_in_flight(self) -> None:
         """[Note: early wait] Where waiting blocks the CPU (gloo), a unit's
-        reduce-scatter overlaps the next unit's backward only until that unit's
-        first parameter gradient is computed (a hook on one of its views), not
-        until its post-backward: the W·S flat gradient in flight is freed before
-        the next unit's parameter gradients and their ``cat`` into its flat
-        gradient, the peak of a unit's backward. Measured on the memory shape
-        (2 gloo ranks): the peak RSS drops by one gradient shard to FSDP1's."""
+        reduce-scatter overlaps the next unit's backward until that unit's
+        parameter gradients are all computed (a prehook on its first group's
+        split node, which then ``cat``s them into the flat gradient), not until
+        its post-backward, right after that cat. The W·S flat gradient in
+        flight is freed before the cat, instead of being alive with the views'
+        gradients and the new flat gradient. Measured on the memory shape (2
+        gloo ranks, phase probe): peak RSS 1554 -> 1537 MiB (FSDP1 1535).
+        Where waiting only orders streams (NCCL) it would stall compute: not
+        done there."""
         if self._in_flight:
             self._drain()
 

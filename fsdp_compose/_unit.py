@@ -182,15 +182,14 @@ class Unit:
             for g in self.trainable:
                 if not g._aliased:
                     g.refresh_views()
-            last = self.trainable[-1] if self.trainable else None
-            if last is not None and last.world > 1 and self.ctx.streams.waits_block_cpu:
-                last.grad_probe.register_hook(self._first_grad)  # (a new view each time)
+            first = self.trainable[0] if self.trainable else None
+            if first is not None and first.world > 1 and first.split_node is not None \
+                    and self.ctx.streams.waits_block_cpu:
+                first.split_node.register_prehook(self._grads_computed)  # a new node each time
 
-    def _first_grad(self, _grad) -> None:
-        """A first parameter gradient of this unit was computed, before its flat
-        gradient is assembled: finish the reduce-scatters in flight now, where
-        waiting blocks the CPU (gloo), so their W·S flat gradients are freed
-        before this unit's is made (see [Note: early wait] in _state.py)."""
+    def _grads_computed(self, _grad_outputs) -> None:
+        """This use's parameter gradients are all computed and the split node is
+        about to ``cat`` them into the flat gradient: see [Note: early wait]."""
         self.ctx.finish_in_flight()
 
     def post_forward(self, module: nn.Module, args, output):
