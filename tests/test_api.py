@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -46,6 +47,13 @@ def shard(model: Net, **kw) -> Net:
     for layer in model.layers:
         fully_shard(layer, **kw)
     return fully_shard(model)
+
+
+def per_unit_collectives(model: FSDPModule) -> FSDPModule:
+    # Buckets off: these tests assert per-unit counts/schedules; buckets are tested separately.
+    model.set_all_gather_bucket_bytes(0)
+    model.set_reduce_scatter_bucket_bytes(0)
+    return model
 
 
 def _error(fn) -> tuple[str, str]:
@@ -108,10 +116,16 @@ def _errors(rank, world):
     knobs = shard(Net())
     out["prefetch_depth_negative"] = _error(lambda: knobs.layers[0].set_prefetch_depth(-1))
     out["bucket_negative"] = _error(lambda: knobs.layers[0].set_reduce_scatter_bucket_bytes(-1))
+    out["gather_bucket_negative"] = _error(lambda: knobs.set_all_gather_bucket_bytes(-1))
+    out["gather_bucket_float"] = _error(lambda: knobs.set_all_gather_bucket_bytes(1.5))
+    out["gather_bucket_bool"] = _error(lambda: knobs.set_all_gather_bucket_bytes(True))
     out["prefetch_not_sharded"] = _error(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
     out["forward_method_missing"] = _error(
         lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
+    # No collective above: without this, a rank can finish and take the store
+    # down while another still creates its (single-rank) mesh groups through it.
+    dist.barrier()
     return out
 
 
@@ -136,6 +150,9 @@ def errors():
     ("param_info_plain", "ValueError", ["not a parameter sharded by fully_shard"]),
     ("prefetch_depth_negative", "ValueError", ["unit 'layers.0'", "int >= 0", "-1"]),
     ("bucket_negative", "ValueError", ["unit 'layers.0'", "int >= 0 (bytes)", "-1"]),
+    ("gather_bucket_negative", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "-1"]),
+    ("gather_bucket_float", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "1.5"]),
+    ("gather_bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
 ])
@@ -206,9 +223,11 @@ def test_local_pieces_partition_the_model(semantics):
 
 
 # --------------------------------------------------------- collective counts
-def _counts(rank, world, raf, switch_to=None):
+def _counts(rank, world, raf, switch_to=None, per_unit=True):
     torch.manual_seed(0)
     m = shard(Net(n=4), reshard_after_forward=raf)
+    if per_unit:
+        per_unit_collectives(m)
     if switch_to is not None:
         m.set_reshard_after_forward(switch_to)  # recursive: every block
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -223,14 +242,23 @@ def _counts(rank, world, raf, switch_to=None):
     return per_step
 
 
-@pytest.mark.parametrize("raf,expected", [
-    # 4 blocks + root: forward gathers 5; with resharding, backward regathers the 4 blocks
-    (True, (9, 5, 0)),
-    (False, (5, 5, 0)),
+@pytest.mark.parametrize("raf,per_unit,expected", [
+    # per unit, 4 blocks + root: forward gathers 5; with resharding, backward
+    # regathers the 4 blocks; every unit reduce-scatters once
+    (True, True, [(9, 5, 0)] * 2),
+    (False, True, [(5, 5, 0)] * 2),
+    # default 1 MiB buckets; the whole model is 3,104 bytes at 2 ranks (blocks
+    # 184 padded floats, root 40), so a bucket takes every unit it may:
+    # step 1's forward has no recorded order yet and gathers per unit (5);
+    # backward gathers the 4 resharded blocks as ONE bucket (raf=True) or
+    # nothing (raf=False); step 2's forward gathers all 5 as one bucket (every
+    # unit was resharded after backward). Every backward: one reduce-scatter.
+    (True, False, [(5 + 1, 1, 0), (1 + 1, 1, 0)]),
+    (False, False, [(5, 1, 0), (1, 1, 0)]),
 ])
-def test_collective_counts(raf, expected):
-    for per_step in run_distributed(_counts, 2, raf):
-        assert per_step == [expected, expected]
+def test_collective_counts(raf, per_unit, expected):
+    for per_step in run_distributed(_counts, 2, raf, None, per_unit):
+        assert per_step == expected
 
 
 def test_set_reshard_after_forward_changes_the_schedule():
@@ -238,8 +266,9 @@ def test_set_reshard_after_forward_changes_the_schedule():
         assert per_step == [(5, 5, 0), (5, 5, 0)]
 
 
-def test_world_size_one_issues_no_collectives():
-    assert run_distributed(_counts, 1, True)[0] == [(0, 0, 0), (0, 0, 0)]
+@pytest.mark.parametrize("per_unit", [True, False])
+def test_world_size_one_issues_no_collectives(per_unit):
+    assert run_distributed(_counts, 1, True, None, per_unit)[0] == [(0, 0, 0), (0, 0, 0)]
 
 
 # ------------------------------------------- eval calls never see stale shards

@@ -2,7 +2,8 @@
 
 Four microbatches (sync off for the first three) must give the same
 gradients, parameters and losses as one large batch in a single process, and
-only the last backward may reduce-scatter.
+only the last backward may reduce-scatter: per unit, and with the default
+reduce-scatter buckets (into whose output views the shards then accumulate).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 from fsdp_compose import comm_stats, fully_shard, param_info, reset_comm_stats
 
 from ._dist import run_distributed
-from .test_api import Block
+from .test_api import Block, per_unit_collectives
 
 MICRO = 4
 ROWS = 4  # per microbatch per rank
@@ -39,13 +40,15 @@ class Net(nn.Module):
         return self.out(x + s if use_side else x + s.detach() * 0)
 
 
-def _accumulate(rank, world, raf, side_once):
+def _accumulate(rank, world, raf, side_once, per_unit):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     for m in [*model.layers, model.side]:
         fully_shard(m, reshard_after_forward=raf)
     fully_shard(model)
+    if per_unit:
+        per_unit_collectives(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     problems, reduces = [], []
@@ -84,11 +87,21 @@ def _accumulate(rank, world, raf, side_once):
     return problems, reduces
 
 
+def _both(rank, world, raf, side_once):
+    return {per_unit: _accumulate(rank, world, raf, side_once, per_unit)
+            for per_unit in (True, False)}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("raf,side_once", [(True, False), (False, False), (True, True)])
 def test_accumulation_matches_one_large_batch(world, raf, side_once):
     units = 5  # 3 layers + side + root
-    for problems, reduces in run_distributed(_accumulate, world, raf, side_once):
+    for per_rank in run_distributed(_both, world, raf, side_once):
+        problems, reduces = per_rank[True]
         assert problems == []
         # only the synced (last) backward reduce-scatters, once per unit
         assert reduces == [[0, 0, 0, units]] * 3
+        problems, reduces = per_rank[False]
+        assert problems == []
+        # default buckets: the 5 units' flat gradients (about 3 KiB) are one bucket
+        assert reduces == [[0, 0, 0, 1]] * 3

@@ -28,6 +28,7 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedState, 
                           comm_stats, fully_shard, param_info, reset_comm_stats)
 
 from ._dist import run_distributed
+from .test_api import per_unit_collectives
 
 D = 8
 ROWS = 2      # per rank per microbatch
@@ -87,12 +88,14 @@ def _compare(model, ref, problems, tag, *, what="grad", rtol=1e-5, atol=1e-6):
 
 
 def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backward=None,
-                 each_micro=None, after_forward=None, check_state=None):
+                 each_micro=None, after_forward=None, check_state=None, per_unit=False):
     """Train ours (global batch split over ranks) against one process."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     _shard(model, mesh=mesh, **(model_kw or {}))
+    if per_unit:
+        per_unit_collectives(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     problems, counts = [], []
@@ -170,7 +173,8 @@ def hsdp(rank, world):
         def each(model, k, micro):
             model.set_requires_all_reduce(k == micro - 1)
 
-        problems, counts = _fp32_parity(rank, world, micro=2, mesh=mesh, each_micro=each)
+        problems, counts = _fp32_parity(rank, world, micro=2, mesh=mesh, each_micro=each,
+                                        per_unit=True)
         # 5 units reduce-scatter in both microbatches (the shard group of 1 rank
         # issues none); only the second all-reduces across replicas
         rs = 5 if shape[1] > 1 else 0
@@ -193,7 +197,7 @@ def reshard_to_2(rank, world):
             problems.append(f"blocks after forward: {states}")
 
     problems, counts = _fp32_parity(rank, world, model_kw={"reshard_after_forward": 2},
-                                    after_forward=after_forward)
+                                    after_forward=after_forward, per_unit=True)
     # root keeps its parameters (raf=2 applies to it too, so it is PARTIAL as well):
     # forward 5 all-gathers, backward 5 within the pairs
     if counts != [[(10, 5, 0)]] * STEPS:
@@ -208,7 +212,7 @@ def reshard_after_backward(rank, world):
         model.set_requires_gradient_sync(k == micro - 1)
         model.set_reshard_after_backward(k == micro - 1)
 
-    problems, counts = _fp32_parity(rank, world, micro=4, each_micro=each)
+    problems, counts = _fp32_parity(rank, world, micro=4, each_micro=each, per_unit=True)
     if world > 1:
         # first microbatch: 5 forward + 4 backward (root kept); then only the
         # 4 blocks' backward all-gathers (they reshard after forward)
@@ -231,64 +235,97 @@ def stale_after_step(rank, world):
 
 def last_backward(rank, world):
     """set_is_last_backward(False) leaves a reduce-scatter in flight between
-    microbatches; the last backward makes every p.grad final."""
-    left_in_flight = []
+    microbatches; the last backward makes every p.grad final. Per unit, the
+    root's reduce-scatter (1 group) is left in flight; with the default
+    buckets, the one bucket of all 5 units (5 groups)."""
+    results = []
+    for per_unit, calls, groups in ((True, 5, 1), (False, 1, 5)):
+        left_in_flight = []
 
-    def each(model, k, micro):
-        if k > 0:  # what the previous (non-last) backward left behind
-            left_in_flight.append(len(model._unit().ctx._in_flight))
-        model.set_is_last_backward(k == micro - 1)
+        def each(model, k, micro, left_in_flight=left_in_flight):
+            if k > 0:  # what the previous (non-last) backward left behind
+                left_in_flight.append(len(model._unit().ctx._in_flight))
+            model.set_is_last_backward(k == micro - 1)
 
-    problems, counts = _fp32_parity(rank, world, micro=3, each_micro=each)
-    if world > 1 and any(c[1] != 5 for step in counts for c in step):
-        problems.append(f"counts {counts}")
-    if world > 1 and (not left_in_flight or not all(left_in_flight)):
-        problems.append(f"nothing left in flight by non-last backwards: {left_in_flight}")
-    return problems
+        problems, counts = _fp32_parity(rank, world, micro=3, each_micro=each, per_unit=per_unit)
+        if world > 1 and any(c[1] != calls for step in counts for c in step):
+            problems.append(f"counts {counts}, want {calls} reduce-scatters per microbatch")
+        if world > 1 and left_in_flight != [groups] * (2 * STEPS):
+            problems.append(f"left in flight by non-last backwards: {left_in_flight}, want "
+                            f"{groups} each")
+        results += [f"per_unit={per_unit}: {p}" for p in problems]
+    return results
 
 
 def no_overlap(rank, world):
     """set_overlap_reduce_scatter(False) + set_prefetch_depth(0), the lowest-
-    memory schedule: same numbers, and no reduce-scatter outlives its launch."""
-    in_flight = []
+    memory schedule: same numbers, and no reduce-scatter outlives its launch
+    (per unit, or a bucket's with the default buckets)."""
+    results = []
+    for per_unit, launcher in ((True, "_launch"), (False, "_launch_bucket")):
+        in_flight = []
 
-    def after_forward(model, problems):
-        model.set_overlap_reduce_scatter(False)
-        model.set_prefetch_depth(0)
-        ctx = model._unit().ctx
-        if "_launch" not in ctx.__dict__:
-            launch = ctx._launch
+        def after_forward(model, problems, launcher=launcher, in_flight=in_flight):
+            model.set_overlap_reduce_scatter(False)
+            model.set_prefetch_depth(0)
+            ctx = model._unit().ctx
+            if launcher not in ctx.__dict__:
+                launch = getattr(ctx, launcher)
 
-            def spy(unit):
-                launch(unit)
-                in_flight.append(len(ctx._in_flight))
-            ctx._launch = spy
+                def spy(*args):
+                    launch(*args)
+                    in_flight.append(len(ctx._in_flight))
+                setattr(ctx, launcher, spy)
 
-    problems, _ = _fp32_parity(rank, world, after_forward=after_forward)
-    if world > 1 and (not in_flight or any(in_flight)):
-        problems.append(f"reduce-scatters left in flight: {in_flight}")
-    return problems
+        problems, _ = _fp32_parity(rank, world, after_forward=after_forward, per_unit=per_unit)
+        if world > 1 and (not in_flight or any(in_flight)):
+            problems.append(f"reduce-scatters left in flight: {in_flight}")
+        results += [f"per_unit={per_unit}: {p}" for p in problems]
+    return results
 
 
 def bucketed(rank, world):
-    """set_reduce_scatter_bucket_bytes: the 5 small units reduce-scatter as one
-    bucket (or two, with a smaller limit); two synced microbatches exercise
-    folding into gradient shards that are views of a bucket's output."""
+    """set_all_gather_bucket_bytes / set_reduce_scatter_bucket_bytes: a bucket
+    is a run of consecutive units of at most n bytes (a larger unit alone).
+    Two synced microbatches exercise folding into gradient shards that are
+    views of a bucket's output.
+
+    Unit bytes (fp32, padded; the same at 2 and 4 ranks): root 192, blocks
+    1216 each, norm 64 (all: 3904). Orders: forward (recorded by the previous
+    microbatch) root, layers.0-2, norm; backward gathers the 4 resharded units
+    norm, layers.2, .1, .0 (the root keeps its parameters); reduce order norm,
+    layers.2, .1, .0, root. The very first forward has no recorded order and
+    gathers per unit (5). Per microbatch (all-gathers, reduce-scatters):
+    * 1 MiB: one bucket per pass: (5 + 1, 1) first, then (1 + 1, 1);
+    * 2432: forward [root, l0] (+l1 would be 2624), [l1, l2] (= 2432: at most
+      n is inclusive), [norm] alone; backward [norm, l2] (+l1: 2496), [l1, l0]
+      (= 2432); reduce [norm, l2], [l1, l0], [root]: (5 + 2, 3) first, then
+      (3 + 2, 3). (A bucket closed once it REACHED n would reduce
+      [norm, l2, l1], [l0, root]: 2.)
+    * 1000: every block is larger, and the small root and norm are never
+      adjacent: one collective per unit, (9, 5) every microbatch.
+    """
     results = []
-    for nbytes, calls in ((1 << 20, 1), (2500, 2)):
+    cases = {1 << 20: ((6, 1), (2, 1)), 2432: ((7, 3), (5, 3)), 1000: ((9, 5), (9, 5))}
+    for nbytes, (first, then) in cases.items():
         def each(model, k, micro, nbytes=nbytes):
+            model.set_all_gather_bucket_bytes(nbytes)
             model.set_reduce_scatter_bucket_bytes(nbytes)
 
         problems, counts = _fp32_parity(rank, world, micro=2, each_micro=each)
-        if world > 1 and any(c[1] != calls for step in counts for c in step):
-            problems.append(f"reduce-scatters per microbatch {counts}, want {calls}")
+        want = [[(*first, 0), (*then, 0)]] + [[(*then, 0)] * 2] * (STEPS - 1)
+        if world > 1 and counts != want:
+            problems.append(f"counts per microbatch {counts}, want {want}")
         results += [f"bucket {nbytes}: {p}" for p in problems]
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) \
         if world == 4 else None
-    if mesh is not None:  # HSDP and bf16 through buckets
-        def each_hsdp(model, k, micro):
-            model.set_reduce_scatter_bucket_bytes(1 << 20)
-        problems, _ = _fp32_parity(rank, world, mesh=mesh, each_micro=each_hsdp)
+    if mesh is not None:  # HSDP through the default buckets
+        problems, counts = _fp32_parity(rank, world, mesh=mesh)
+        # one bucket per pass in the shard groups of 2; the replica all-reduce
+        # is per flat group (5), not bucketed
+        want = [[(6, 1, 5)]] + [[(2, 1, 5)]] * (STEPS - 1)
+        if counts != want:
+            problems.append(f"counts {counts}, want {want}")
         results += [f"hsdp: {p}" for p in problems]
     return results
 

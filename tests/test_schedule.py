@@ -9,29 +9,37 @@ import expecttest
 import torch
 import torch.nn as nn
 
-from fsdp_compose import fully_shard, record_schedule
+from fsdp_compose import comm_stats, fully_shard, record_schedule, reset_comm_stats
 
 from ._dist import run_distributed
-from .test_api import Block, Net, shard
+from .test_api import Block, Net, per_unit_collectives, shard
 
 
 def _fmt(events) -> str:
     return "\n".join(" ".join(x for x in e if x) for e in events)
 
 
-def _one_step(rank, world):
+def _calls() -> tuple[int, int]:
+    s = comm_stats()
+    return s.all_gather_calls, s.reduce_scatter_calls
+
+
+def _one_step(rank, world, per_unit=True):
     m = shard(Net(n=2))
+    if per_unit:
+        per_unit_collectives(m)
     x = torch.randn(2, 3)
     m(x).sum().backward()  # first step: lazy init, order recording
+    reset_comm_stats()
     with record_schedule() as ev:
         m(x).sum().backward()
-    return _fmt(ev)
+    return _fmt(ev), _calls()
 
 
 def _prefetch_knobs(rank, world):
     out = {}
     for name in ("depth0", "explicit"):
-        m = shard(Net(n=3))
+        m = per_unit_collectives(shard(Net(n=3)))
         if name == "depth0":
             m.set_prefetch_depth(0)
         else:  # forward: layers.0 fetches layers.2 (not layers.1); backward: layers.2 -> layers.0
@@ -62,24 +70,28 @@ class Branchy(nn.Module):
         return self.layers[2](x + y)
 
 
-def _unused_on_rank1(rank, world):
+def _unused_on_rank1(rank, world, per_unit=True):
     m = Branchy()
     for layer in m.layers:
         fully_shard(layer)
     fully_shard(m)
+    if per_unit:
+        per_unit_collectives(m)
     x = torch.randn(2, 3)
+    reset_comm_stats()
     with record_schedule() as ev:
         m(x, use_branch=(rank == 0)).sum().backward()
     grads_set = all(p.grad is not None for p in m.layers[1].parameters())
     start = next(i for i, e in enumerate(ev) if e[0] == "pre_backward")
     return _fmt(e for e in ev[start:] if e[0] in ("all_gather", "reduce_scatter",
-                                                   "final_callback")), grads_set
+                                                   "final_callback")), grads_set, _calls()
 
 
 class TestSchedule(expecttest.TestCase):
     def test_one_step(self):
-        rank0, rank1 = run_distributed(_one_step, 2)
-        self.assertEqual(rank0, rank1)
+        (rank0, calls0), (rank1, calls1) = run_distributed(_one_step, 2)
+        self.assertEqual((rank0, calls0), (rank1, calls1))
+        self.assertEqual(calls0, (3 + 2, 3))  # per unit: forward 3, backward the 2 blocks
         self.assertExpectedInline(rank0, """\
 pre_forward IDLE
 all_gather FORWARD
@@ -111,7 +123,10 @@ reduce_scatter ready
 final_callback""")
 
     def test_unit_without_gradient_on_one_rank(self):
-        (r0, set0), (r1, set1) = run_distributed(_unused_on_rank1, 2)
+        (r0, set0, calls0), (r1, set1, calls1) = run_distributed(_unused_on_rank1, 2)
+        # per unit: forward 4, backward the 3 blocks; every unit reduce-scatters
+        self.assertEqual(calls0, (4 + 3, 4))
+        self.assertEqual(calls1, calls0)
         for kind in ("all_gather", "reduce_scatter"):  # one order per kind on every rank
             units = [[line.split()[1] for line in r.splitlines() if line.startswith(kind)]
                      for r in (r0, r1)]
@@ -177,3 +192,71 @@ all_gather layers.1 IDLE
 all_gather layers.0 IDLE
 pre_backward layers.1 IDLE
 pre_backward layers.0 IDLE""")
+
+    def test_one_bucketed_step(self):
+        # Default knobs: 1 MiB buckets, and the whole model is 1,632 bytes. The
+        # second step's forward gathers every unit as ONE bucket from the
+        # root's pre-forward (in the first step's forward order, so nothing is
+        # left to prefetch); backward gathers the resharded blocks, in the
+        # gather order (layers.1, then layers.0), as one bucket from the root's
+        # pre-backward; the three units reduce-scatter as one bucket, in the
+        # reduce order, when the last of them (the root) is ready.
+        (rank0, calls0), (rank1, calls1) = run_distributed(_one_step, 2, False)
+        self.assertEqual((rank0, calls0), (rank1, calls1))
+        self.assertEqual(calls0, (1 + 1, 1))
+        self.assertExpectedInline(rank0, """\
+pre_forward IDLE
+all_gather bucketed
+all_gather layers.0 bucketed
+all_gather layers.1 bucketed
+pre_forward layers.0 IDLE
+post_forward layers.0 FORWARD
+reshard layers.0 FORWARD
+pre_forward layers.1 IDLE
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+all_gather layers.1 bucketed
+all_gather layers.0 bucketed
+pre_backward layers.1 IDLE
+post_backward layers.1 PRE_BACKWARD
+reshard layers.1 POST_BACKWARD
+pre_backward layers.0 IDLE
+post_backward layers.0 PRE_BACKWARD
+reshard layers.0 POST_BACKWARD
+post_backward PRE_BACKWARD
+reshard POST_BACKWARD
+reduce_scatter layers.1 bucketed
+reduce_scatter layers.0 bucketed
+reduce_scatter bucketed
+final_callback""")
+
+    def test_unit_without_gradient_on_one_rank_bucketed(self):
+        (r0, set0, calls0), (r1, set1, calls1) = run_distributed(_unused_on_rank1, 2, False)
+        # Default buckets, first step: forward gathers per unit (4, no recorded
+        # order yet); backward gathers the 3 blocks as one bucket. The 4 units
+        # reduce-scatter as one bucket: on rank 0 when the root is ready, on
+        # rank 1 (no gradient for layers.1) from the final callback, with
+        # layers.1 zero-filled: the same collective on both ranks.
+        self.assertEqual(calls0, (4 + 1, 1))
+        self.assertEqual(calls1, calls0)
+        self.assertTrue(set0 and set1)
+        self.assertExpectedInline(r0, """\
+all_gather layers.2 bucketed
+all_gather layers.1 bucketed
+all_gather layers.0 bucketed
+reduce_scatter layers.2 bucketed
+reduce_scatter layers.1 bucketed
+reduce_scatter layers.0 bucketed
+reduce_scatter bucketed
+final_callback""")
+        self.assertExpectedInline(r1, """\
+all_gather layers.2 bucketed
+all_gather layers.1 bucketed
+all_gather layers.0 bucketed
+final_callback
+reduce_scatter layers.2 bucketed
+reduce_scatter layers.1 bucketed zero-filled
+reduce_scatter layers.0 bucketed
+reduce_scatter bucketed""")
