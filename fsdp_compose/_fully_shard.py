@@ -138,9 +138,7 @@ class FSDPModule:
         small units, where each collective's latency dominates its bytes; costs
         one copy of the bucket's flat gradients (a rank-major ``cat``), and a
         unit's gradient waits until its bucket is complete."""
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise unit_error(self._unit().fqn, f"bucket size must be an int >= 0 (bytes), got "
-                             f"{nbytes!r}.", exc=ValueError)
+        _check_bucket_bytes(self._unit(), nbytes)
         self._unit().bucket_bytes = nbytes
 
     def set_all_gather_bucket_bytes(self, nbytes: int) -> None:
@@ -152,9 +150,7 @@ class FSDPModule:
         its bytes; costs two copies of the bucket, and the bucket's units are
         unsharded together (at most ``nbytes`` more in flight). The first
         step's forward has no recorded order yet and gathers per unit."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise unit_error(self._unit().fqn, f"bucket size must be an int >= 0 (bytes), got "
-                             f"{nbytes!r}.", exc=ValueError)
+        _check_bucket_bytes(self._unit(), nbytes)
         self._unit().gather_bucket_bytes = nbytes
 
     def set_prefetch_depth(self, depth: int) -> None:
@@ -168,6 +164,12 @@ class FSDPModule:
             raise unit_error(self._unit().fqn, f"prefetch depth must be an int >= 0, got "
                              f"{depth!r}.", exc=ValueError)
         self._unit().prefetch_depth = depth
+
+
+def _check_bucket_bytes(unit, nbytes) -> None:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise unit_error(unit.fqn, f"bucket size must be an int >= 0 (bytes), got {nbytes!r}.",
+                         exc=ValueError)
 
 
 def _units_of(modules, where: str) -> list[Unit]:

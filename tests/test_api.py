@@ -119,6 +119,7 @@ def _errors(rank, world):
     out["gather_bucket_negative"] = _error(lambda: knobs.set_all_gather_bucket_bytes(-1))
     out["gather_bucket_float"] = _error(lambda: knobs.set_all_gather_bucket_bytes(1.5))
     out["gather_bucket_bool"] = _error(lambda: knobs.set_all_gather_bucket_bytes(True))
+    out["bucket_bool"] = _error(lambda: knobs.set_reduce_scatter_bucket_bytes(True))
     out["prefetch_not_sharded"] = _error(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
     out["forward_method_missing"] = _error(
@@ -153,6 +154,7 @@ def errors():
     ("gather_bucket_negative", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "-1"]),
     ("gather_bucket_float", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "1.5"]),
     ("gather_bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
+    ("bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
 ])
