@@ -494,7 +494,7 @@ def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_Grad
     its bytes: one collective instead of one per unit, for one copy.
     """
     first = groups[0]
-    if first.world == 1:
+    if first.world == 1 or len(groups) == 1:  # nothing to merge: no copy
         return [g.launch_reduce_scatter(streams) for g in groups]
     taken = [g.take_grad() for g in groups]
     W = first.world
