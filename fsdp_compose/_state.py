@@ -212,12 +212,31 @@ class RootContext:
         in the gather order; then prefetch (no wait). Prefetching is more of
         the same prefix, so it never reorders collectives."""
         if unit in self._grad_follows:
-            pos = self._gather_positions()
-            stop = pos[unit] + self.root.prefetch_depth
-            if unit.backward_prefetch is not None:
-                stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
-            self._gather_up_to(min(stop, len(pos) - 1))
+            # [Note: late backward prefetch] Where waiting blocks the CPU
+            # (gloo), a unit that is itself gathered for its backward prefetches
+            # the next ones only once its gradients are computed and it is
+            # resharded (Unit._grads_computed), so at most one unsharded unit
+            # is alive with its parameter gradients and the reduce-scatter in
+            # flight. A unit that kept its parameters after forward (the root)
+            # prefetches now.
+            late = self.streams.waits_block_cpu and unit.reshard_after_forward
+            self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
         unit.unshard()
+
+    def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
+        pos = self._gather_positions()
+        stop = pos[unit]
+        if not prefetch:
+            return stop
+        stop += self.root.prefetch_depth
+        if unit.backward_prefetch is not None:
+            stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
+        return min(stop, len(pos) - 1)
+
+    def prefetch_backward_late(self, unit: Unit) -> None:
+        """See [Note: late backward prefetch] (a no-op for what was prefetched)."""
+        if unit in self._grad_follows:
+            self._gather_up_to(self._prefetch_stop(unit))
 
     def _gather_positions(self) -> dict[Unit, int]:
         if self._gather_order is None:

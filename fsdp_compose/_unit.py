@@ -190,7 +190,14 @@ class Unit:
     def _grads_computed(self, _grad_outputs) -> None:
         """This use's parameter gradients are all computed and the split node is
         about to ``cat`` them into the flat gradient: see [Note: early wait]."""
-        self.ctx.finish_in_flight()
+        ctx = self.ctx
+        ctx.finish_in_flight()
+        if self.reshard_after_backward and self.uses == 1 and not ctx.in_nested_backward():
+            for g in self.trainable:
+                if g.state is not ShardedState.SHARDED:
+                    trace("reshard", self.fqn, "grads computed")
+                    g.reshard()
+        ctx.prefetch_backward_late(self)
 
     def post_forward(self, module: nn.Module, args, output):
         if self._cast_outputs is not None:  # (recomputation too: same saved tensors)

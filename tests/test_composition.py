@@ -991,14 +991,16 @@ def test_autograd_grad_wrt_input(ws, raf):
 # --------------------------------------------------------------------- schedule
 def _check_recompute(events) -> List[str]:
     """From a unit's recompute (and the all-gathers that recompute itself
-    issued, if the unit was sharded) to its post_backward: no reshard of that
-    unit and no further all-gather of it (it stays unsharded)."""
+    issued, if the unit was sharded) until its gradients are computed (its
+    early reshard on gloo, else its post_backward): no reshard of that unit
+    and no further all-gather of it (it stays unsharded)."""
     problems = []
     for i, (ev, unit, _) in enumerate(events):
         if ev != "pre_forward_recompute":
             continue
         end = next((j for j in range(i, len(events))
-                    if events[j][:2] == ("post_backward", unit)), None)
+                    if events[j][:2] == ("post_backward", unit)
+                    or events[j] == ("reshard", unit, "grads computed")), None)
         if end is None:
             problems.append(f"{unit}: no post_backward after its recompute")
             continue
@@ -1058,18 +1060,18 @@ post_forward FORWARD
 pre_backward IDLE
 all_gather layers.1 IDLE
 pre_backward layers.1 IDLE
-all_gather layers.0 IDLE
 pre_forward_recompute layers.0 IDLE
+all_gather layers.0 IDLE
 pre_forward_recompute layers.1 PRE_BACKWARD
+reshard layers.1 grads computed
 post_backward layers.1 PRE_BACKWARD
-reshard layers.1 POST_BACKWARD
 reduce_scatter layers.1 ready
 pre_backward layers.0 IDLE
+reshard layers.0 grads computed
 post_backward layers.0 PRE_BACKWARD
-reshard layers.0 POST_BACKWARD
 reduce_scatter layers.0 ready
+reshard grads computed
 post_backward PRE_BACKWARD
-reshard POST_BACKWARD
 reduce_scatter ready
 final_callback""")
 
@@ -1099,7 +1101,7 @@ reduce_scatter layers.1 ready
 post_backward layers.0 IDLE
 reshard layers.0 POST_BACKWARD
 reduce_scatter layers.0 ready
+reshard grads computed
 post_backward PRE_BACKWARD
-reshard POST_BACKWARD
 reduce_scatter ready
 final_callback""")

@@ -109,16 +109,16 @@ post_forward FORWARD
 pre_backward IDLE
 all_gather layers.1 IDLE
 pre_backward layers.1 IDLE
+reshard layers.1 grads computed
 all_gather layers.0 IDLE
 post_backward layers.1 PRE_BACKWARD
-reshard layers.1 POST_BACKWARD
 reduce_scatter layers.1 ready
 pre_backward layers.0 IDLE
+reshard layers.0 grads computed
 post_backward layers.0 PRE_BACKWARD
-reshard layers.0 POST_BACKWARD
 reduce_scatter layers.0 ready
+reshard grads computed
 post_backward PRE_BACKWARD
-reshard POST_BACKWARD
 reduce_scatter ready
 final_callback""")
 
@@ -220,13 +220,13 @@ pre_backward IDLE
 all_gather layers.1 bucketed
 all_gather layers.0 bucketed
 pre_backward layers.1 IDLE
+reshard layers.1 grads computed
 post_backward layers.1 PRE_BACKWARD
-reshard layers.1 POST_BACKWARD
 pre_backward layers.0 IDLE
+reshard layers.0 grads computed
 post_backward layers.0 PRE_BACKWARD
-reshard layers.0 POST_BACKWARD
+reshard grads computed
 post_backward PRE_BACKWARD
-reshard POST_BACKWARD
 reduce_scatter layers.1 bucketed
 reduce_scatter layers.0 bucketed
 reduce_scatter bucketed
