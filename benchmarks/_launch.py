@@ -21,6 +21,14 @@ class LaunchError(RuntimeError):
     """A rank failed or the launch timed out; the message has a rank's output tail."""
 
 
+def write_result(cfg: dict, rank: int, res: dict) -> None:
+    """A rank's result, where ``run_ranks`` collects it (written atomically)."""
+    tmp = os.path.join(cfg["tmpdir"], f"result{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -89,7 +89,7 @@ import statistics
 import sys
 import time
 
-from benchmarks._launch import LaunchError, run_ranks
+from benchmarks._launch import LaunchError, run_ranks, write_result
 from benchmarks.shapes import SHAPES, Shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -377,10 +377,7 @@ def _worker_entry(cfg_path: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    tmp = os.path.join(cfg["tmpdir"], f"result{rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
+    write_result(cfg, rank, res)
 
 
 # =============================================================================

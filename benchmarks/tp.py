@@ -42,7 +42,7 @@ import platform
 import statistics
 import time
 
-from benchmarks._launch import run_ranks
+from benchmarks._launch import run_ranks, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "out")
@@ -179,10 +179,7 @@ def _worker_entry(cfg_path: str) -> None:
         res = run_impl(cfg, rank, world)
     finally:
         dist.destroy_process_group()
-    tmp = os.path.join(cfg["tmpdir"], f"result{rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
+    write_result(cfg, rank, res)
 
 
 # =============================================================================
