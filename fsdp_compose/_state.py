@@ -217,9 +217,9 @@ class RootContext:
             # the next ones only once its gradients are computed and it is
             # resharded (Unit._grads_computed), so at most one unsharded unit
             # is alive with its parameter gradients and the reduce-scatter in
-            # flight. A unit that kept its parameters after forward (the root)
-            # prefetches now.
-            late = self.streams.waits_block_cpu and unit.reshard_after_forward
+            # flight. A unit that kept its parameters after forward (the root),
+            # or whose gradients have no hook (frozen), prefetches now.
+            late = unit.grads_hooked and unit.reshard_after_forward
             self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
         unit.unshard()
 

@@ -62,6 +62,7 @@ class Unit:
         self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
         self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
+        self.grads_hooked = False  # _grads_computed will run this backward (gloo, see _state)
         self.backward_prefetch: list[Unit] | None = None
         # False: keep accumulating the unsharded flat gradient, no reduce-scatter
         self.requires_gradient_sync = True
@@ -186,6 +187,7 @@ class Unit:
             if first is not None and first.world > 1 and first.split_node is not None \
                     and self.ctx.streams.waits_block_cpu:
                 first.split_node.register_prehook(self._grads_computed)  # a new node each time
+                self.grads_hooked = True
 
     def _grads_computed(self, _grad_outputs) -> None:
         """This use's parameter gradients are all computed and the split node is
@@ -298,6 +300,7 @@ class Unit:
     def finish_backward(self) -> None:
         """Called by the root's final callback, for every unit."""
         self.pinned = False
+        self.grads_hooked = False
         self._uses_seen = 0
         if self.reshard_after_backward:
             self.reshard()
