@@ -180,7 +180,10 @@ class RootContext:
                 by_key.setdefault(g.gather_key(), []).append(g)
         with label("all_gather", units[0].fqn):
             for groups in by_key.values():
-                gather_bucket(groups, self.streams)
+                if len(groups) == 1:  # nothing to merge it with: no bucket copies
+                    groups[0].unshard(self.streams)
+                else:
+                    gather_bucket(groups, self.streams)
         return True
 
     def expect_backward(self, unit: Unit) -> None:
