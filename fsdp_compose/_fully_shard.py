@@ -146,10 +146,11 @@ class FSDPModule:
         forward order, and in backward's gather order) together: one collective
         for a run of sharded units whose unsharded sizes add up to at most
         ``nbytes`` (default 1 MiB; a larger unit is gathered alone; 0: one
-        collective per unit). For many small units, where each collective's latency dominates
-        its bytes; costs two copies of the bucket, and the bucket's units are
-        unsharded together (at most ``nbytes`` more in flight). The first
-        step's forward has no recorded order yet and gathers per unit."""
+        collective per unit). For many small units, where each collective's
+        latency dominates its bytes; costs two copies of the bucket, and the
+        bucket's units are unsharded together (at most ``nbytes`` more in
+        flight). The first step's forward has no recorded order yet and
+        gathers per unit."""
         _check_bucket_bytes(self._unit(), nbytes)
         self._unit().gather_bucket_bytes = nbytes
 

@@ -215,13 +215,10 @@ class RootContext:
         in the gather order; then prefetch (no wait). Prefetching is more of
         the same prefix, so it never reorders collectives."""
         if unit in self._grad_follows:
-            # [Note: late backward prefetch] Where waiting blocks the CPU
-            # (gloo), a unit that is itself gathered for its backward prefetches
-            # the next ones only once its gradients are computed and it is
-            # resharded (Unit._grads_computed), so at most one unsharded unit
-            # is alive with its parameter gradients and the reduce-scatter in
-            # flight. A unit that kept its parameters after forward (the root),
-            # or whose gradients have no hook (frozen), prefetches now.
+            # On gloo a unit resharded after forward prefetches once its
+            # gradients are computed, see [Note: gloo backward] in _unit.py; a
+            # unit that kept its parameters (the root), or whose gradients have
+            # no hook (frozen), prefetches now.
             late = unit.grads_hooked and unit.reshard_after_forward
             self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
         unit.unshard()
@@ -237,7 +234,7 @@ class RootContext:
         return min(stop, len(pos) - 1)
 
     def prefetch_backward_late(self, unit: Unit) -> None:
-        """See [Note: late backward prefetch] (a no-op for what was prefetched)."""
+        """See [Note: gloo backward] in _unit.py (a no-op for what was prefetched)."""
         if unit in self._grad_follows:
             self._gather_up_to(self._prefetch_stop(unit))
 
@@ -326,18 +323,8 @@ class RootContext:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def finish_in_flight(self) -> None:
-        """[Note: early wait] Where waiting blocks the CPU (gloo), a unit's
-        reduce-scatter overlaps the next unit's backward until that unit's
-        parameter gradients are all computed (a prehook on its first group's
-        split node, which then ``cat``s them into the flat gradient), not until
-        its post-backward, right after that cat. The W·S flat gradient in
-        flight is freed before the cat, instead of being alive with the views'
-        gradients and the new flat gradient. Measured on the memory shape (2
-        gloo ranks, phase probe): peak RSS 1554 -> 1537 MiB (FSDP1 1535).
-        Where waiting only orders streams (NCCL) it would stall compute: not
-        done there."""
-        if self._in_flight:
-            self._drain()
+        """Wait for the reduce-scatters in flight now: see [Note: gloo backward]."""
+        self._drain()
 
     def _drain(self) -> None:
         for launch in self._in_flight:

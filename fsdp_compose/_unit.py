@@ -19,6 +19,7 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,7 +63,7 @@ class Unit:
         self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
         self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
-        self.grads_hooked = False  # _grads_computed will run this backward (gloo, see _state)
+        self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.backward_prefetch: list[Unit] | None = None
         # False: keep accumulating the unsharded flat gradient, no reduce-scatter
         self.requires_gradient_sync = True
@@ -180,25 +181,45 @@ class Unit:
         are reused: no split and no views per step.
         """
         if torch.is_grad_enabled():
+            hook = self.ctx.streams.waits_block_cpu
             for g in self.trainable:
-                if not g._aliased:
-                    g.refresh_views()
-            first = self.trainable[0] if self.trainable else None
-            if first is not None and first.world > 1 and first.split_node is not None \
-                    and self.ctx.streams.waits_block_cpu:
-                first.split_node.register_prehook(self._grads_computed)  # a new node each time
-                self.grads_hooked = True
+                if g._aliased:
+                    continue
+                g.refresh_views()
+                if hook and g.world > 1 and g.split_node is not None:  # a new node each time
+                    g.split_node.register_prehook(functools.partial(self._grads_computed, g))
+                    self.grads_hooked = True
 
-    def _grads_computed(self, _grad_outputs) -> None:
-        """This use's parameter gradients are all computed and the split node is
-        about to ``cat`` them into the flat gradient: see [Note: early wait]."""
+    def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
+        """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
+        gradients of its views into the flat gradient: all of them are computed,
+        and that cat, with the views' gradients still alive, is the peak of a
+        unit's backward. Where waiting blocks the CPU (gloo), first:
+
+        1. finish the reduce-scatter in flight (the previous unit's), instead of
+           at this unit's post-backward right after the cat;
+        2. free the group's unsharded flat, instead of at the post-backward:
+           every backward node that reads its views has run (each produces a
+           gradient for them) and the cat reads none. Only for a unit used once
+           this step, outside a nested (reentrant) backward: with several uses
+           each use's views have their own split node, and an earlier use still
+           reads the parameters. Per group: another group's views may still be
+           read;
+        3. only then prefetch the next unit(s) of the gather order (see
+           RootContext.unshard_for_backward: such a unit did not prefetch at its
+           pre-backward), so at most one unsharded unit is alive with the
+           gradients and the reduce-scatter in flight.
+
+        On NCCL a wait only orders streams (waiting here would stall compute)
+        and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
+        gloo").
+        """
         ctx = self.ctx
         ctx.finish_in_flight()
-        if self.reshard_after_backward and self.uses == 1 and not ctx.in_nested_backward():
-            for g in self.trainable:
-                if g.state is not ShardedState.SHARDED:
-                    trace("reshard", self.fqn, "grads computed")
-                    g.reshard()
+        if self.reshard_after_backward and self.uses == 1 and not ctx.in_nested_backward() \
+                and group.state is not ShardedState.SHARDED:
+            trace("reshard", self.fqn, "grads computed")
+            group.reshard()
         ctx.prefetch_backward_late(self)
 
     def post_forward(self, module: nn.Module, args, output):
