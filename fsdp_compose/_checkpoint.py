@@ -20,7 +20,9 @@ Why ShardedTensor and not DCP's tensor-subclass protocol: see docs/design.md.
 
 Optimizer state tensors that have the parameter's (local, 1-D) shape get the
 same treatment, keyed by the parameter's FQN like
-``torch.distributed.checkpoint.state_dict``.
+``torch.distributed.checkpoint.state_dict``. (At world size 1 a parameter and
+its state may be full-shape, see [Note: world size 1] in _flat_group.py; they
+are flattened with ``view(-1)`` first, which is the same piece.)
 """
 from __future__ import annotations
 
@@ -305,7 +307,7 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
             if id(e) in _FULL:
                 sd[key] = _FULL[id(e)]
         else:
-            sd[key] = sharded_value(g, e, e.sharded.detach())
+            sd[key] = sharded_value(g, e, e.sharded.detach().view(-1))
 
 
 def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -326,7 +328,7 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
                 continue
             unit.modules[0].reshard()  # the shard is what we load; views re-gathered on use
         with torch.no_grad():
-            err = _load_entry(e, sd[key], e.sharded.detach())
+            err = _load_entry(e, sd[key], e.sharded.detach().view(-1))
         if err:
             error_msgs.append(_msg(key, err))
         sd[key] = e.sharded  # the default load then copies the Parameter onto itself: no-op
@@ -387,8 +389,9 @@ def _full_param_values(model: nn.Module, keep: bool, cpu_offload: bool) -> dict:
 
 def _is_sharded_state(v: Any, p: torch.Tensor) -> bool:
     """An optimizer state tensor with the sharded parameter's shape is per-element
-    state (exp_avg ...); anything else (step, scalars) is taken as replicated."""
-    return (isinstance(v, torch.Tensor) and not _compat.is_sharded_tensor(v) and v.dim() == 1
+    state (exp_avg ...); anything else (step, scalars) is taken as replicated.
+    (A sharded parameter is 1-D, or full-shape with >= 1 dim at world size 1.)"""
+    return (isinstance(v, torch.Tensor) and not _compat.is_sharded_tensor(v) and v.dim() >= 1
             and v.shape == p.shape)
 
 
@@ -413,7 +416,7 @@ def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -
                 for e in ents:
                     v = optim.state.get(e.sharded, {}).get(k)
                     if v is not None:
-                        buf[slice(*e.shard_range)].copy_(v)
+                        buf[slice(*e.shard_range)].copy_(v.reshape(-1))
                 flat = _gather(g, buf)
                 for e in ents:
                     if k in optim.state.get(e.sharded, {}):
@@ -497,7 +500,8 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
         for k, v in st.items():
             if hit is not None and _is_sharded_state(v, p):
                 g, e = hit
-                new[k] = full[(id(e), k)] if full is not None else sharded_value(g, e, v)
+                new[k] = (full[(id(e), k)] if full is not None
+                          else sharded_value(g, e, v.reshape(-1)))
             elif full is not None and isinstance(v, torch.Tensor):
                 new[k] = v.clone()  # a full state dict is a snapshot (step is updated in place)
             else:
@@ -634,10 +638,10 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
     if not (sharded or full):
         return v
     src = getattr(v, "_fsdp_compose_local", None) if sharded else None
-    if src is not None and src[0] is e and src[1].shape == p.shape:
-        return src[1]  # our own get_state_dict's tensor, filled in place by DCP: no copy
+    if src is not None and src[0] is e and src[1].numel() == p.numel():
+        return src[1].view(p.shape)  # our own get_state_dict's tensor, filled in place by DCP
     dst = torch.empty(p.shape, dtype=v.dtype, device=p.device)
-    err = _load_entry(e, v, dst)
+    err = _load_entry(e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))
     return dst

@@ -23,7 +23,7 @@ class TrainingState(enum.Enum):
 class ShardedState(enum.Enum):
     """Whether a flat group's full parameters are materialised."""
 
-    SHARDED = enum.auto()     # only the local shard exists; params are 1-D shard views
+    SHARDED = enum.auto()     # only the local shard exists; params are shard views
     UNSHARDING = enum.auto()  # all-gather issued, not yet waited
     UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward

@@ -6,7 +6,8 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
 - *local shard* ``shard`` (S): persistent, in the parameters' own dtype (the
   master copy), on the compute device, or on CPU with offloading. Rank r's
   slice ``[r·S, (r+1)·S)`` of the padded flat buffer. The sharded
-  ``nn.Parameter``s the optimizer holds are 1-D views of it. Without mixed
+  ``nn.Parameter``s the optimizer holds are 1-D views of it (full-shape at
+  world size 1, see [Note: world size 1]). Without mixed
   precision or offloading it is the all-gather *input*, as is: no copy-in.
 - *unsharded flat* ``flat`` (W·S), in the *compute dtype* (``param_dtype`` of
   the unit's mixed-precision policy, else the parameters' dtype): a leaf
@@ -31,9 +32,9 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   *input*, as is (cast once first when ``reduce_dtype`` differs).
 - *gradient shard* (S, the parameters' dtype, where the shard lives): the
   reduce-scatter output, as is when dtype and device match. ``p.grad`` of
-  each sharded parameter is the matching 1-D view of it; only those views
-  keep it alive, so ``zero_grad()`` frees it. At world size 1 it is the flat
-  gradient.
+  each sharded parameter is the matching view of it (``ParamEntry.piece``);
+  only those views keep it alive, so ``zero_grad()`` frees it. At world size
+  1 it is the flat gradient (a direct group has none: autograd sets p.grad).
 - *post-forward shard* (W·S/N): with ``reshard_after_forward=N`` (an int),
   after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
   the backward all-gather runs within its group of N ranks.
@@ -107,13 +108,19 @@ class ParamEntry:
     slots: list                     # [(module, attr_name)] that hold this parameter
     local_range: tuple[int, int]    # slice of param.flatten() this rank holds
     shard_range: tuple[int, int]    # the same elements' place in the local shard
-    sharded: nn.Parameter = None    # 1-D view of the local shard
+    sharded: nn.Parameter = None    # view of the local shard: 1-D, or full-shape (see ``full``)
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
+    full: bool = False              # world size 1: ``sharded`` keeps the parameter's shape
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    def piece(self, buf: torch.Tensor) -> torch.Tensor:
+        """Its part of a shard-sized ``buf``, shaped like ``sharded``."""
+        v = buf[slice(*self.shard_range)]
+        return v.view(self.shape) if self.full else v
 
 
 @dataclass
@@ -177,13 +184,28 @@ class FlatGroup:
                 split_sizes.append(end - offset - n)  # gap: padding
             tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                   if isinstance(p, DTensor) else None)
-            entries.append(ParamEntry(fqn, local.shape, offset, slots, (0, 0), (0, 0), tp=tp))
+            # see [Note: world size 1]
+            full = world == 1 and tp is None and local.dim() > 0
+            entries.append(ParamEntry(fqn, local.shape, offset, slots, (0, 0), (0, 0), tp=tp,
+                                      full=full))
             offset = end
         self.padded_numel = _ceil_to(max(offset, 1), world * align)
         if self.padded_numel > offset:
             split_sizes.append(self.padded_numel - offset)  # tail padding
         self.shard_numel = S = self.padded_numel // world
         self.entries: list[ParamEntry] = entries
+        # [Note: world size 1] Every rank holds every element, so a sharded
+        # Parameter that is not a DTensor keeps its shape (``full``): the
+        # parameters look as in plain PyTorch. When there is also nothing to
+        # cast, reduce (HSDP) or re-expose, the group is *direct*: the
+        # Parameters are then full-shape leaves over the shard with their own
+        # AccumulateGrad (plain PyTorch's backward): no views to swap, no flat
+        # gradient, no hooks (see Unit.passive). Not for 0-dim parameters: their
+        # optimizer state (0-dim exp_avg) would look like a replicated scalar
+        # such as ``step``; they stay 1-D.
+        self.direct = (all(e.full for e in entries) and self.replicas == 1
+                       and not self._copies_in and self.reduce_dtype == self.dtype
+                       and post_forward is None)
         self._split_sizes, self._view_at = split_sizes, view_at
         lo, hi = rank * S, (rank + 1) * S
         for e in entries:
@@ -219,13 +241,13 @@ class FlatGroup:
             shard = shard.pin_memory()
         self.shard = shard
         for e in self.entries:
-            e.sharded = nn.Parameter(shard[slice(*e.shard_range)], requires_grad=self.requires_grad)
+            e.sharded = nn.Parameter(e.piece(shard), requires_grad=self.requires_grad)
         self._aliased = self.world == 1 and not self._copies_in
         if self._aliased:
             self.flat = shard.data  # alias, own version counter; never freed
         else:
             self.flat = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
-        self.flat.requires_grad_(self.requires_grad)
+        self.flat.requires_grad_(self.requires_grad and not self.direct)
         # `.data` shares storage but not the version counter: writing the
         # all-gather into it does not invalidate tensors saved for backward.
         self.flat_data = self.flat.data
@@ -256,6 +278,11 @@ class FlatGroup:
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:
         """Re-make the full-shape views (and their one split node), see the Note."""
+        if self.direct:  # the Parameters are full-shape already
+            for e in self.entries:
+                e.unsharded = e.sharded
+            self.split_node = None
+            return
         chunks = torch.split(self.flat, self._split_sizes)
         for e, i in zip(self.entries, self._view_at):
             v = chunks[i].view(e.shape)
@@ -379,7 +406,7 @@ class FlatGroup:
     # ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
     # We keep weak references, to recognise our views and accumulate into them.
     def _adopt_grad_shard(self, buf: torch.Tensor) -> None:
-        views = [buf[slice(*e.shard_range)] for e in self.entries]
+        views = [e.piece(buf) for e in self.entries]
         for e, v in zip(self.entries, views):
             e.sharded.grad = v
         self._grad_shard_ref = weakref.ref(buf)
@@ -467,10 +494,10 @@ class FlatGroup:
                     buf.add_(out)
                 else:  # adopted a view of a bucket's output: only the p.grad views hold it
                     for e in self.entries:
-                        e.sharded.grad.add_(out[slice(*e.shard_range)])
+                        e.sharded.grad.add_(e.piece(out))
             else:  # some p.grad were set to None or replaced by the user
                 for e in self.entries:
-                    piece = out[slice(*e.shard_range)]
+                    piece = e.piece(out)
                     g = e.sharded.grad
                     if g is None:
                         e.sharded.grad = piece.clone()

@@ -56,7 +56,7 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters; the modules see 1-D shards again."""
+        """Free the unsharded parameters; the modules see the sharded Parameters again."""
         unit = self._unit()
         unit.pinned = False
         unit.reshard()
@@ -394,8 +394,10 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
 
     Differences from torch FSDP2: while sharded, a parameter is a 1-D tensor
     (this rank's slice of the flattened original, possibly empty), not a
-    DTensor; ``fsdp_compose.param_info(p)`` tells its FQN, global shape and
-    local range. Build the optimizer after ``fully_shard``.
+    DTensor; at shard world size 1 it keeps its full shape (see docs/design.md,
+    "World size 1"). ``fsdp_compose.param_info(p)`` tells its FQN, global
+    shape and local range at any world size. Build the optimizer after
+    ``fully_shard``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -449,8 +451,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     for m in modules:
         _move_buffers(m, device)
         m.__dict__["_fsdp_unit"] = unit
-        m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True)
-        m.register_forward_hook(_post_forward_hook(unit))
+        unit.hook_handles += [
+            m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True),
+            m.register_forward_hook(_post_forward_hook(unit))]
         _swap_class(m)
         assign_fqns(m)
     return module

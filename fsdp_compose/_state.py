@@ -422,7 +422,12 @@ def lazy_init_root(unit: Unit) -> None:
             # world size 1, no cast/offload: the "unsharded" flat IS the shard,
             # resharding frees nothing; skip the swap-out/swap-in per step
             u.reshard_after_forward = False
-    trace("lazy_init", unit.fqn, f"units={len(units)}")
+    # world size 1: plain PyTorch's forward and backward for the passive units
+    passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
+    for u in passive:
+        u.remove_forward_hooks()
+    trace("lazy_init", unit.fqn, f"units={len(units)}"
+          + (f", {len(passive)} without hooks" if passive else ""))
 
 
 def _check_not_meta(root: Unit, units: list[Unit]) -> None:

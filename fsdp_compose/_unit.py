@@ -39,7 +39,9 @@ class Unit:
                  reshard_after_forward: bool | None, label: str, mp_policy=None):
         self.modules = modules
         self.groups = groups
-        self.trainable = [g for g in groups if g.requires_grad]
+        # groups whose flat gradient we reduce (a direct group's Parameters get
+        # their gradients from autograd, see [Note: world size 1])
+        self.trainable = [g for g in groups if g.requires_grad and not g.direct]
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
@@ -53,6 +55,7 @@ class Unit:
         self._cast_outputs = mp.output_dtype if mp is not None else None
         self.state = TrainingState.IDLE
         self.ctx: RootContext | None = None
+        self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
         # Prefetch (read on the root): how many units to all-gather ahead, in
@@ -75,6 +78,20 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
+
+    @property
+    def passive(self) -> bool:
+        """Its hooks would do nothing: every group is direct (see [Note: world
+        size 1] in _flat_group.py) and nothing is cast. In a model where no unit
+        communicates, the root removes a passive unit's forward hooks at lazy
+        init (its own stay: they run the step's bookkeeping)."""
+        return (all(g.direct for g in self.groups) and self._cast_inputs is None
+                and self._cast_outputs is None)
+
+    def remove_forward_hooks(self) -> None:
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles = []
 
     @property
     def is_root(self) -> bool:

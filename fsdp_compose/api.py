@@ -14,7 +14,8 @@ class ParamInfo:
     ``shape``: its global (unsharded) shape.
     ``local_range``: ``(start, end)`` such that, while sharded, the parameter
     tensor equals ``full_param.flatten()[start:end]`` (``start == end`` when
-    this rank holds none of it).
+    this rank holds none of it); at shard world size 1 it is ``(0, numel)``
+    and the parameter keeps its shape (flatten it to compare).
     ``unit_fqn``: the fully_shard unit that owns it.
     ``placements`` / ``tp_shape``: for a tensor-parallel (DTensor) parameter,
     its placements on its TP mesh and its global shape; ``shape`` is then the

@@ -273,6 +273,55 @@ def test_world_size_one_issues_no_collectives(per_unit):
     assert run_distributed(_counts, 1, True, None, per_unit)[0] == [(0, 0, 0), (0, 0, 0)]
 
 
+# ----------------------------------------- world size 1: plain PyTorch's path
+def _world_one(rank, world):
+    torch.manual_seed(0)
+    m = Net(n=2)
+    ref = copy.deepcopy(m)
+    shard(m)
+    m.layers[1].lin2.weight.requires_grad_(False)
+    ref.layers[1].lin2.weight.requires_grad_(False)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    out = {"equal": True}
+    for step in range(2):
+        x = torch.randn(4, 3)
+        for model, o in ((m, opt), (ref, ref_opt)):
+            model(x).sum().backward()
+            if step == 0:
+                grads = [p.grad for p in model.parameters()]
+            o.step()
+            o.zero_grad()
+        out["equal"] &= all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+    ps = list(m.parameters())
+    out["shapes"] = [tuple(p.shape) for p in ps] == [tuple(q.shape) for q in ref.parameters()]
+    out["leaves"] = all(isinstance(p, nn.Parameter) and p.is_leaf for p in ps)
+    # each gradient is its own tensor (autograd's), not a view of a flat gradient
+    out["own_grads"] = all(g is None or g._base is None for g in grads)
+    out["frozen_no_grad"] = m.layers[1].lin2.weight.grad is None
+    out["hooks"] = [len(u._forward_pre_hooks) + len(u._forward_hooks)
+                    for u in (m.layers[0], m.layers[1], m)]
+    info = param_info(m.layers[0].lin1.weight)
+    out["info"] = (info.fqn, tuple(info.shape), tuple(info.local_range))
+    with torch.no_grad():  # an inner unit called directly, and unshard / reshard on it
+        h = torch.randn(4, 6)
+        out["direct_call"] = torch.equal(m.layers[0](h), ref.layers[0](h))
+        m.layers[0].unshard()
+        same = m.layers[0].lin1.weight is ps[2]
+        m.layers[0].reshard()
+        out["unshard_same_params"] = same and m.layers[0].lin1.weight is ps[2]
+    return out
+
+
+def test_world_size_one_is_plain_pytorch():
+    r = run_distributed(_world_one, 1)[0]
+    assert r["equal"]                      # bitwise: same kernels, same order
+    assert r["shapes"] and r["leaves"] and r["own_grads"] and r["frozen_no_grad"]
+    assert r["hooks"] == [0, 0, 2]         # blocks: none; the root keeps its two
+    assert r["info"] == ("layers.0.lin1.weight", (13, 6), (0, 78))
+    assert r["direct_call"] and r["unshard_same_params"]
+
+
 # ------------------------------------------- eval calls never see stale shards
 def _eval_after_update(rank, world):
     torch.manual_seed(0)

@@ -346,10 +346,35 @@ def _resume_run(rank, world, root):
         plain, opt, _ = reference(range(SAVE_AT))
         save_torch(plain, opt, os.path.join(root, "plain"))
         out["errors"] = _load_errors()
+        out.update(_save_at_1(root, plain, opt))
     else:
         model, opt = resume_ours(os.path.join(root, "plain"), seed=5)
         out["from_plain"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+        model, opt = resume_ours(os.path.join(root, "ours_ws1"), seed=6)
+        out["from_ws1"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
     out["meta"] = _meta_parity(rank, world)
+    return out
+
+
+def _save_at_1(root, ref, ref_opt) -> dict:
+    """Ours at 1 rank, where parameters and optimizer state keep their shapes
+    (docs/design.md, "World size 1"): state dicts and a save for the 4-rank run."""
+    out = {}
+    model, opt = ours_fresh(0)
+    train(model, opt, range(SAVE_AT), 0, 1)
+    out["ws1_shapes"] = [(n, tuple(p.shape), tuple(opt.state[p]["exp_avg"].shape))
+                         for n, p in model.named_parameters() if p.requires_grad]
+    full_msd, full_osd = get_state_dict(model, opt, full_state_dict=True)
+    out["ws1_full_vs_ref"] = _check_full(full_msd, full_osd, ref, ref_opt)
+    msd, osd = get_state_dict(model, opt)
+    out["ws1_exp_avg_types"] = {type(st["exp_avg"]).__name__ for st in osd["state"].values()}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "ours_ws1"))
+    at_save = local_snapshot(model, opt)
+    model2, opt2 = resume_ours(os.path.join(root, "ours_ws1"))
+    out["ws1_dcp_round_trip"] = snapshots_equal(local_snapshot(model2, opt2), at_save)
+    train(model2, opt2, [SAVE_AT], 0, 1)  # perturb, then load the full state dict
+    set_state_dict(model2, opt2, model_state_dict=full_msd, optim_state_dict=full_osd)
+    out["ws1_full_round_trip"] = snapshots_equal(local_snapshot(model2, opt2), at_save)
     return out
 
 
@@ -467,6 +492,18 @@ def test_optimizer_state_round_trip(runs):
         assert r["fresh_differs"]          # the check below can fail
         assert r["dcp_round_trip"] == []   # exact, through DCP
         assert r["full_round_trip"] == []  # through full tensors
+
+
+def test_save_at_1_rank_full_shapes(runs):
+    r = runs[1][0]
+    ref = dict(Net().named_parameters())
+    assert r["ws1_shapes"] and all(p == s == tuple(ref[n].shape) for n, p, s in r["ws1_shapes"])
+    assert r["ws1_full_vs_ref"] == []
+    assert r["ws1_exp_avg_types"] == {"ShardedTensor"}  # per-element state, full-shape too
+    assert r["ws1_dcp_round_trip"] == []
+    assert r["ws1_full_round_trip"] == []
+    # saved at 1 rank, resumed at 4
+    assert _close(global_losses([r["from_ws1"] for r in runs[4]]), runs["ref"][SAVE_AT:])
 
 
 def test_resume_at_1_2_4_ranks_matches_uninterrupted(runs):

@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._dist import DistributedError, run_distributed
+from ._pieces import expected_shape, local_piece
 
 WORLD_SIZES = (1, 2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -571,9 +572,10 @@ def _structure_checks(model, ref, units, impl, rank, ws) -> None:
             problems.append(f"{name}: param_info shape {shape} != {tuple(r.shape)}")
         if not (0 <= s <= e <= r.numel()):
             problems.append(f"{name}: local_range {(s, e)} outside [0, {r.numel()}]")
-        if impl.flat and (p.dim() != 1 or p.numel() != e - s):
+        want = expected_shape(r.shape, (s, e), ws)
+        if impl.flat and tuple(p.shape) != want:
             problems.append(f"{name}: sharded param has shape {tuple(p.shape)}, "
-                            f"local_range {(s, e)} wants ({e - s},)")
+                            f"local_range {(s, e)} at world size {ws} wants {want}")
         if p.dtype != r.dtype:
             problems.append(f"{name}: dtype {p.dtype} != {r.dtype}")
         if p.requires_grad != r.requires_grad:
@@ -602,7 +604,7 @@ def _structure_checks(model, ref, units, impl, rank, ws) -> None:
         _sync_check(problems, "param_info local ranges")
 
 
-def _compare_params(model, ref, impl, step, grads: bool) -> List[str]:
+def _compare_params(model, ref, impl, step, grads: bool, ws: int) -> List[str]:
     problems = []
     theirs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -618,12 +620,14 @@ def _compare_params(model, ref, impl, step, grads: bool) -> List[str]:
                 if e > s:
                     problems.append(f"{tag}: grad is None, reference has one")
                 continue
-            ours, exp = p.grad.detach(), r.grad.detach().reshape(-1)[s:e]
+            ours, full = p.grad.detach(), r.grad
         else:
             tag = f"step {step} param {name}[{s}:{e}]"
-            ours, exp = p.detach(), r.detach().reshape(-1)[s:e]
-        if not impl.flat:
-            ours = ours.reshape(-1)
+            ours, full = p.detach(), r
+        if impl.flat:
+            exp = local_piece(full, (s, e), ws)
+        else:
+            ours, exp = ours.reshape(-1), full.detach().reshape(-1)[s:e]
         if not _close(ours, exp):
             problems.append(_diff(tag, ours, exp))
     return problems
@@ -691,12 +695,12 @@ def run_scenario(name: str, rank: int, ws: int, impl) -> None:
             clipped_once |= ref_norm.item() > max_norm
             _check_scalar(f"step {step} clip_grad_norm_ total norm", float(norm), ref_norm.item(),
                           problems)
-        problems += _compare_params(model, ref, impl, step, grads=True)
+        problems += _compare_params(model, ref, impl, step, grads=True, ws=ws)
         _sync_check(problems, f"{name}: loss / gradients")
 
         opt.step()
         ref_opt.step()
-        _sync_check(_compare_params(model, ref, impl, step, grads=False),
+        _sync_check(_compare_params(model, ref, impl, step, grads=False, ws=ws),
                     f"{name}: parameters after the optimizer step")
         opt.zero_grad()
         ref_opt.zero_grad()

@@ -28,6 +28,7 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedState, 
                           comm_stats, fully_shard, param_info, reset_comm_stats)
 
 from ._dist import run_distributed
+from ._pieces import local_piece
 from .test_api import per_unit_collectives
 
 D = 8
@@ -75,14 +76,17 @@ def _shard(model: Net, **kw) -> Net:
     return model
 
 
-def _compare(model, ref, problems, tag, *, what="grad", rtol=1e-5, atol=1e-6):
+def _compare(model, ref, problems, tag, shard_world, *, what="grad", rtol=1e-5, atol=1e-6):
     refp = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         a, b = param_info(p).local_range
         want = refp[name] if what == "param" else refp[name].grad
         got = p if what == "param" else p.grad
-        want = want.detach().flatten()[a:b]
-        if got is None or not torch.allclose(got.detach(), want, rtol=rtol, atol=atol):
+        want = local_piece(want, (a, b), shard_world)
+        if got is not None and got.shape != want.shape:
+            problems.append(f"{tag} {what} {name}: shape {tuple(got.shape)}, expected "
+                            f"{tuple(want.shape)}")
+        elif got is None or not torch.allclose(got.detach(), want, rtol=rtol, atol=atol):
             diff = "None" if got is None else f"{(got - want).abs().max():.2e}"
             problems.append(f"{tag} {what} {name}: {diff}")
 
@@ -99,6 +103,7 @@ def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backw
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     problems, counts = [], []
+    shard_world = mesh.size(mesh.ndim - 1) if mesh is not None else world
     for step in range(STEPS):
         x, y = _batch(step, world, micro)
         step_counts = []
@@ -116,7 +121,7 @@ def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backw
         ref_loss = sum((ref(x[k].reshape(-1, 3)) - y[k].reshape(-1, 1)).pow(2).mean()
                        for k in range(micro)) / micro
         ref_loss.backward()
-        _compare(model, ref, problems, f"step {step}")
+        _compare(model, ref, problems, f"step {step}", shard_world)
         norm = clip_grad_norm_(model.parameters(), MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         if not torch.allclose(norm, ref_norm, rtol=1e-5):
@@ -125,7 +130,7 @@ def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backw
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-        _compare(model, ref, problems, f"step {step}", what="param")
+        _compare(model, ref, problems, f"step {step}", shard_world, what="param")
     return problems, counts
 
 
@@ -377,7 +382,7 @@ def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3):
             if p.dtype != torch.float32:
                 problems.append(f"master {name} is {p.dtype}")
             a, b = param_info(p).local_range
-            full = q.full_tensor().flatten()[a:b]
+            full = local_piece(q.full_tensor(), (a, b), world)
             bitwise &= torch.equal(p.detach(), full)
             if not torch.allclose(p.detach(), full, rtol=rtol, atol=rtol / 10):
                 problems.append(f"step {step} param {name}: {(p - full).abs().max():.2e}")

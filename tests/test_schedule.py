@@ -87,7 +87,69 @@ def _unused_on_rank1(rank, world, per_unit=True):
                                                    "final_callback")), grads_set, _calls()
 
 
+def _world_one(rank, world):
+    """World size 1: the blocks are passive (no hooks), only the root's events;
+    a block with a cast keeps its hooks."""
+    from fsdp_compose import MixedPrecisionPolicy
+    out = []
+    for cast in (False, True):
+        m = Net(n=2)
+        fully_shard(m.layers[0])
+        fully_shard(m.layers[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64,
+                                                                  output_dtype=torch.float32)
+                    if cast else None)
+        fully_shard(m)
+        x = torch.randn(2, 3)
+        with record_schedule() as ev:
+            m(x).sum().backward()  # first step: lazy init
+            m(x).sum().backward()
+        out.append(_fmt(ev))
+    return out
+
+
 class TestSchedule(expecttest.TestCase):
+    def test_world_size_one(self):
+        plain, cast = run_distributed(_world_one, 1)[0]
+        self.assertExpectedInline(plain, """\
+lazy_init units=3, 2 without hooks
+pre_forward IDLE
+post_forward FORWARD
+pre_backward IDLE
+final_callback
+reshard PRE_BACKWARD
+pre_forward IDLE
+post_forward FORWARD
+pre_backward IDLE
+final_callback
+reshard PRE_BACKWARD""")
+        self.assertExpectedInline(cast, """\
+lazy_init units=3, 1 without hooks
+pre_forward IDLE
+pre_forward layers.1 IDLE
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+pre_backward layers.1 IDLE
+post_backward layers.1 PRE_BACKWARD
+reshard layers.1 POST_BACKWARD
+reduce_scatter layers.1 ready
+final_callback
+reshard PRE_BACKWARD
+pre_forward IDLE
+prefetch layers.1 forward
+pre_forward layers.1 IDLE
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+pre_backward layers.1 IDLE
+post_backward layers.1 PRE_BACKWARD
+reshard layers.1 POST_BACKWARD
+reduce_scatter layers.1 ready
+final_callback
+reshard PRE_BACKWARD""")
+
     def test_one_step(self):
         (rank0, calls0), (rank1, calls1) = run_distributed(_one_step, 2)
         self.assertEqual((rank0, calls0), (rank1, calls1))

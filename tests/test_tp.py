@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from fsdp_compose import clip_grad_norm_, fully_shard, param_info
 
 from ._dist import run_distributed
+from ._pieces import local_piece
 
 D, HEAD, T, IN, OUT = 8, 2, 4, 4, 2
 BATCH = 4   # global, split over dp
@@ -113,14 +114,14 @@ def _parallelize(model: Net, mesh, sequence_parallel: bool) -> None:
     fully_shard(model, mesh=mesh["dp"])
 
 
-def _ref_piece(ref_t: torch.Tensor, info, tp_rank: int, tp: int) -> torch.Tensor:
-    """This rank's slice of a reference tensor: its TP shard, flattened, local_range."""
+def _ref_piece(ref_t: torch.Tensor, info, tp_rank: int, tp: int, dp: int) -> torch.Tensor:
+    """This rank's slice of a reference tensor: its TP shard, flattened, local_range
+    (in the parameter's shape at dp world size 1, for a parameter that is not TP)."""
     t = ref_t.detach()
     for pl in info.placements or ():
         if isinstance(pl, Shard):
             t = t.chunk(tp, dim=pl.dim)[tp_rank]
-    a, b = info.local_range
-    return t.reshape(-1)[a:b]
+    return local_piece(t, info.local_range, dp, tp=info.placements is not None)
 
 
 def _train(rank, world, dp, tp, sequence_parallel):
@@ -142,8 +143,12 @@ def _train(rank, world, dp, tp, sequence_parallel):
         for name, p in model.named_parameters():
             info = param_info(p)
             got = p.grad if what == "grad" else p
-            want = _ref_piece(refp[name].grad if what == "grad" else refp[name], info, tp_rank, tp)
-            if got is None or not torch.allclose(got.detach(), want, rtol=1e-4, atol=1e-5):
+            want = _ref_piece(refp[name].grad if what == "grad" else refp[name], info, tp_rank, tp,
+                              dp)
+            if got is not None and got.shape != want.shape:
+                problems.append(f"step {step} {what} {name}: shape {tuple(got.shape)}, "
+                                f"expected {tuple(want.shape)}")
+            elif got is None or not torch.allclose(got.detach(), want, rtol=1e-4, atol=1e-5):
                 diff = "None" if got is None else f"{(got - want).abs().max():.2e}"
                 problems.append(f"step {step} {what} {name} {info.placements}: {diff}")
 
