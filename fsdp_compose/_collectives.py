@@ -124,22 +124,27 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
                    for r in range(world)])
 
 
-def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG) -> ReduceScatterWork:
+def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
+                   out: torch.Tensor | None = None) -> ReduceScatterWork:
     """``op`` (mean by default) over ranks of this rank's chunk of ``flat_grad``
-    (world·S); ``wait()`` gives the S-element result. On gloo ``flat_grad`` is
-    overwritten, and the result is allocated only when waited (not while the
-    collective is in flight)."""
+    (world·S); ``wait()`` gives the S-element result (in ``out`` if given). On
+    gloo ``flat_grad`` is overwritten, and the result is allocated only when
+    waited (not while the collective is in flight)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = _in_place_gloo(flat_grad, group)
     if gloo is None:
         world = dist.get_world_size(group)
-        out = flat_grad.new_empty(flat_grad.numel() // world)
+        if out is None:
+            out = flat_grad.new_empty(flat_grad.numel() // world)
         return ReduceScatterWork(
             _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=True), out)
     rank, world = gloo
     mine = flat_grad.view(world, -1)[rank]
-    if op == dist.ReduceOp.AVG:
+    if out is not None:
+        def finish():
+            return torch.div(mine, world, out=out) if op == dist.ReduceOp.AVG else out.copy_(mine)
+    elif op == dist.ReduceOp.AVG:
         finish = lambda: torch.div(mine, world)  # noqa: E731
     else:
         finish = mine.clone

@@ -1,0 +1,196 @@
+"""The side-stream protocol of the stream manager (CUDA's), checked on CPU.
+
+No GPU here: the manager takes a ``runtime`` (streams and events), and this
+test gives it a recording double whose events order nothing, over gloo. What
+it checks is what the CUDA path relies on (see [Note: side streams] in
+fsdp_compose/_streams.py):
+
+- every all-gather is issued on the all-gather stream, every reduce-scatter
+  on the reduce-scatter stream, never on the compute stream;
+- before issuing, the side stream waits for an event just recorded on the
+  compute stream (the inputs are written); after, it records an event that
+  the compute stream waits for before the result is used;
+- no tensor a collective touches is released before the compute stream has
+  waited for that collective's event (what makes ``record_stream``
+  unnecessary);
+- training with this manager (the non-blocking schedule: waits only order
+  streams, as on NCCL) matches the default gloo schedule bitwise and a
+  single-process reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import itertools
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_compose._state as state_mod
+from fsdp_compose import _collectives, fully_shard, param_info
+
+from ._dist import run_distributed
+from .test_api import Net, per_unit_collectives
+
+
+class _Event:
+    def __init__(self, n: int, stream: str):
+        self.n, self.stream = n, stream
+
+
+class _Stream:
+    def __init__(self, name: str, rt: "_Recorder"):
+        self.name, self._rt = name, rt
+
+    def record_event(self) -> _Event:
+        ev = _Event(next(self._rt.ids), self.name)
+        self._rt.log.append(("record", self.name, ev.n))
+        return ev
+
+    def wait_event(self, ev: _Event) -> None:
+        self._rt.log.append(("wait", self.name, ev.n))
+
+
+class _Recorder:
+    """A stream runtime that records instead of ordering."""
+
+    def __init__(self):
+        self.log: list = []
+        self.ids = itertools.count()
+        self.names = iter(["ag", "rs"])  # the manager makes the all-gather stream first
+        self._stack = [_Stream("compute", self)]
+
+    def current_stream(self) -> _Stream:
+        return self._stack[-1]
+
+    def new_stream(self) -> _Stream:
+        return _Stream(next(self.names), self)
+
+    @contextlib.contextmanager
+    def use(self, stream: _Stream):
+        self._stack.append(stream)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+
+def _train(streams: bool, per_unit: bool):
+    """Two steps of ours (4 blocks + root, resharding after forward); the log if
+    ``streams``."""
+    torch.manual_seed(0)
+    model = Net(n=4)
+    ref = copy.deepcopy(model)
+    rt = _Recorder() if streams else None
+    patched = []
+    if streams:
+        made = state_mod.StreamManager
+        state_mod.StreamManager = lambda device: made(device, runtime=rt)
+        patched.append(lambda: setattr(state_mod, "StreamManager", made))
+        for kind in ("all_gather", "reduce_scatter"):
+            real = getattr(_collectives, kind)
+
+            def issue(*args, _real=real, _kind=kind, **kw):
+                n = len(rt.log)
+                rt.log.append(("issue", rt.current_stream().name, _kind))
+                for t in [a for a in args if isinstance(a, torch.Tensor)] + \
+                        [v for v in kw.values() if isinstance(v, torch.Tensor)]:
+                    weakref.finalize(t, rt.log.append, ("release", n))
+                return _real(*args, **kw)
+
+            setattr(_collectives, kind, issue)
+            patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
+    try:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if per_unit:
+            per_unit_collectives(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = {"params": [], "ref_close": True}
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(4 * world, 3, generator=g)
+            model(x[4 * rank:4 * rank + 4]).pow(2).mean().backward()
+            ref(x).pow(2).mean().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                a, b = param_info(p).local_range
+                out["ref_close"] &= torch.allclose(p.grad, q.grad.reshape(-1)[a:b], atol=1e-6)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        out["params"] = [p.detach().clone() for p in model.parameters()]
+        out["manager"] = repr(model._unit().ctx.streams)
+        del model, opt
+        gc.collect()  # every release is in the log
+        out["log"] = rt.log if streams else None
+        return out
+    finally:
+        for undo in patched:
+            undo()
+
+
+def _both(rank, world, per_unit):
+    return _train(False, per_unit), _train(True, per_unit)
+
+
+def _check_protocol(log: list) -> list[str]:
+    bad = []
+    issues = [i for i, e in enumerate(log) if e[0] == "issue"]
+    if not issues:
+        return ["no collective was issued"]
+    for i in issues:
+        _, stream, kind = log[i]
+        want = {"all_gather": "ag", "reduce_scatter": "rs"}[kind]
+        if stream != want:
+            bad.append(f"{kind} issued on {stream}")
+            continue
+        # compute: record E1; side: wait E1; issue; side: record E2
+        rec1, wait1 = log[i - 2], log[i - 1]
+        if not (rec1[:2] == ("record", "compute") and wait1 == ("wait", want, rec1[2])):
+            bad.append(f"{kind} at {i}: inputs not handed over: {log[i - 2:i]}")
+        rec2 = next((e for e in log[i + 1:] if e[0] == "record"), None)
+        if rec2 is None or rec2[1] != want:
+            bad.append(f"{kind} at {i}: no completion event on {want}: {rec2}")
+            continue
+        waited = [j for j, e in enumerate(log) if e == ("wait", "compute", rec2[2])]
+        if not waited:
+            bad.append(f"{kind} at {i}: the compute stream never waits for it")
+            continue
+        released = [j for j, e in enumerate(log) if e == ("release", i)]
+        if any(j < waited[0] for j in released):
+            bad.append(f"{kind} at {i}: a tensor it touches was released before the compute "
+                       "stream waited for it")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("per_unit", [False, True], ids=["bucketed", "per_unit"])
+def test_side_stream_protocol(world, per_unit):
+    for default, streams in run_distributed(_both, world, per_unit):
+        assert default["manager"].endswith("mode=async-collectives)")
+        assert streams["manager"].endswith("mode=side-streams)")
+        assert default["ref_close"] and streams["ref_close"]
+        assert all(torch.equal(a, b) for a, b in zip(default["params"], streams["params"]))
+        assert _check_protocol(streams["log"]) == []
+        kinds = {e[2] for e in streams["log"] if e[0] == "issue"}
+        assert kinds == {"all_gather", "reduce_scatter"}
+
+
+def test_protocol_check_can_fail():
+    """The checker catches a collective on the wrong stream, a missing hand-off
+    and an early release."""
+    ok = [("record", "compute", 0), ("wait", "ag", 0), ("issue", "ag", "all_gather"),
+          ("record", "ag", 1), ("wait", "compute", 1), ("release", 2)]
+    assert _check_protocol(ok) == []
+    assert _check_protocol([e if e[0] != "issue" else ("issue", "compute", "all_gather")
+                            for e in ok])
+    assert _check_protocol([("record", "compute", 0)] + ok[2:])
+    assert _check_protocol(ok[:4] + [("release", 2), ("wait", "compute", 1)])
+    assert _check_protocol(ok[:4])
