@@ -322,6 +322,52 @@ def test_world_size_one_is_plain_pytorch():
     assert r["direct_call"] and r["unshard_same_params"]
 
 
+def _world_one_compositions(rank, world):
+    """Passive units (no hooks) under activation checkpointing around them,
+    after an inner unit was the root of its own first call, and next to a unit
+    that casts (keeps its hooks): training equals plain PyTorch's."""
+    from torch.utils.checkpoint import checkpoint
+    out = {}
+    for case in ("reentrant", "non_reentrant", "inner_root_first", "one_unit_casts"):
+        torch.manual_seed(0)
+        m = Net(n=3)
+        ref = copy.deepcopy(m)
+        for i, layer in enumerate(m.layers):
+            cast = case == "one_unit_casts" and i == 1
+            fully_shard(layer, mp_policy=fsdp_compose.MixedPrecisionPolicy(
+                param_dtype=torch.float64, output_dtype=torch.float32) if cast else None)
+        fully_shard(m)
+        if case == "inner_root_first":
+            with torch.no_grad():
+                m.layers[1](torch.randn(2, 6))
+        if case in ("reentrant", "non_reentrant"):
+            for mod in (m, ref):
+                def forward(x, mod=mod):
+                    two = lambda y: mod.layers[1](mod.layers[0](y))  # noqa: E731
+                    x = checkpoint(two, mod.inp(x), use_reentrant=case == "reentrant")
+                    return mod.out(mod.layers[2](x))
+                mod.forward = forward
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+        ok = True
+        for _ in range(3):
+            x = torch.randn(4, 3)
+            for mod, o in ((m, opt), (ref, ref_opt)):
+                mod(x).pow(2).sum().backward()
+                o.step()
+                o.zero_grad()
+            ok &= all(p.shape == q.shape and torch.allclose(p, q, atol=1e-6)
+                      for p, q in zip(m.parameters(), ref.parameters()))
+        out[case] = ok
+    return out
+
+
+def test_world_size_one_compositions():
+    r = run_distributed(_world_one_compositions, 1)[0]
+    assert r == dict.fromkeys(("reentrant", "non_reentrant", "inner_root_first",
+                               "one_unit_casts"), True)
+
+
 # ------------------------------------------- eval calls never see stale shards
 def _eval_after_update(rank, world):
     torch.manual_seed(0)
