@@ -42,6 +42,12 @@ def unit_error(fqn: str, what: str, fix: str = "", exc=RuntimeError) -> Exceptio
     return exc(msg)
 
 
+def root_setting_fix(where: str) -> str:
+    """What to do when a root-only setter was called on another unit."""
+    return (f"Call {where}() on the root module (the one fully_shard was applied to "
+            f"last, whose forward runs the others), e.g. model.{where}(...).")
+
+
 _NO_LABEL = contextlib.nullcontext()
 
 

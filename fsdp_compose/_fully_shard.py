@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import unit_error
+from ._common import root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._state import assign_fqns, unit_of
@@ -38,6 +38,20 @@ class FSDPModule:
         """This module's unit and, with ``recurse``, every unit below it."""
         found = (unit_of(m) for m in (self.modules() if recurse else [self]))
         return list(dict.fromkeys(u for u in found if u is not None))
+
+    def _root_setting(self, where: str) -> Unit:
+        """The unit a root-only setting (``where``) is stored on: this one, which
+        must be the root. Known only after lazy init: a setting called earlier on
+        a unit that does not become the root is an error at the first forward
+        (``_state._check_root_settings``), never silently ignored."""
+        unit = self._unit()
+        if unit.ctx is not None and not unit.is_root:
+            raise unit_error(unit.fqn, f"{where}() is a setting of the whole model, read on "
+                             f"the root unit '{unit.ctx.root.fqn or '<root>'}' only; this "
+                             "unit is not the root.", root_setting_fix(where),
+                             exc=ValueError)
+        unit.root_settings_called.add(where)
+        return unit
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this unit's parameters and install full-shape views.
@@ -104,7 +118,7 @@ class FSDPModule:
         reduce-scatter: it overlaps the next microbatch's forward and is folded
         into ``p.grad`` by the next backward. Set True before the last
         microbatch's backward (its end makes every ``p.grad`` final)."""
-        self._unit().is_last_backward = bool(is_last_backward)
+        self._root_setting("set_is_last_backward").is_last_backward = bool(is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
@@ -128,7 +142,7 @@ class FSDPModule:
         away, so its flat gradient is freed before the next one is made (one
         unsharded gradient less at the peak; backward no longer overlaps it).
         With ``set_prefetch_depth(0)`` this is the lowest-memory schedule."""
-        self._unit().overlap_reduce_scatter = bool(overlap)
+        self._root_setting("set_overlap_reduce_scatter").overlap_reduce_scatter = bool(overlap)
 
     def set_reduce_scatter_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Reduce-scatter the gradients of consecutive units
@@ -139,7 +153,7 @@ class FSDPModule:
         one copy of the bucket's flat gradients (a rank-major ``cat``), and a
         unit's gradient waits until its bucket is complete."""
         _check_bucket_bytes(self._unit(), nbytes)
-        self._unit().bucket_bytes = nbytes
+        self._root_setting("set_reduce_scatter_bucket_bytes").bucket_bytes = nbytes
 
     def set_all_gather_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. All-gather consecutive units (in the last step's
@@ -152,19 +166,19 @@ class FSDPModule:
         flight). The first step's forward has no recorded order yet and
         gathers per unit."""
         _check_bucket_bytes(self._unit(), nbytes)
-        self._unit().gather_bucket_bytes = nbytes
+        self._root_setting("set_all_gather_bucket_bytes").gather_bucket_bytes = nbytes
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
 
-        Takes effect when set on the root. In-flight unsharded memory is at
-        most the current unit plus ``depth`` units (plus explicit prefetches);
-        0 disables prefetching.
+        Call on the root. In-flight unsharded memory is at most the current
+        unit plus ``depth`` units (plus explicit prefetches); 0 disables
+        prefetching.
         """
         if not isinstance(depth, int) or depth < 0:
             raise unit_error(self._unit().fqn, f"prefetch depth must be an int >= 0, got "
                              f"{depth!r}.", exc=ValueError)
-        self._unit().prefetch_depth = depth
+        self._root_setting("set_prefetch_depth").prefetch_depth = depth
 
 
 def _check_bucket_bytes(unit, nbytes) -> None:

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat
-from ._common import TrainingState, label, trace, unit_error
+from ._common import TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket, launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
@@ -409,6 +409,7 @@ def lazy_init_root(unit: Unit) -> None:
         assign_fqns(root_module)
     units = list(dict.fromkeys(u for m in unit.modules for _, u in _units_below(m)))
     _check_not_meta(unit, units)
+    _check_root_settings(unit, units)
     for u in units:
         _check_params(u)
     device = unit.groups[0].device if unit.groups else torch.device("cpu")
@@ -438,6 +439,17 @@ def _check_not_meta(root: Unit, units: list[Unit]) -> None:
             root.fqn, f"{len(meta)} parameters are still on the meta device at the first "
             f"forward: {shown}.", "Initialise the model on a real device (e.g. "
             "module.to_empty(device=...) and reset_parameters()) before calling fully_shard.")
+
+
+def _check_root_settings(root: Unit, units: list[Unit]) -> None:
+    """A root-only setting (FSDPModule._root_setting) called on a unit that did
+    not become the root would be silently ignored: say so instead."""
+    for u in units:
+        if u is not root and u.root_settings_called:
+            where = sorted(u.root_settings_called)[0]
+            raise unit_error(u.fqn, f"{where}() was called on this unit, but it is not the "
+                             f"root ('{root.fqn or '<root>'}' is): the setting would be ignored.",
+                             root_setting_fix(where), exc=ValueError)
 
 
 def _check_params(u: Unit) -> None:

@@ -65,6 +65,9 @@ class Unit:
         self.overlap_reduce_scatter = True  # read on the root, see set_overlap_reduce_scatter
         self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
         self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
+        # names of the root-only setters above called on this unit: an error at
+        # lazy init unless it became the root (see FSDPModule._root_setting)
+        self.root_settings_called: set[str] = set()
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.backward_prefetch: list[Unit] | None = None

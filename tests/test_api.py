@@ -124,6 +124,15 @@ def _errors(rank, world):
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
     out["forward_method_missing"] = _error(
         lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
+
+    # a root-only setting on another unit: never silently ignored
+    early = shard(Net())
+    early.layers[1].set_prefetch_depth(2)  # the root is not known yet: checked at lazy init
+    out["root_setting_before_init"] = _error(lambda: early(torch.randn(2, 3)))
+    late = shard(Net())
+    late(torch.randn(2, 3)).sum().backward()
+    out["root_setting_after_init"] = _error(lambda: late.layers[0].set_is_last_backward(False))
+    late.set_is_last_backward(True)  # on the root: fine
     # No collective above: without this, a rank can finish and take the store
     # down while another still creates its (single-rank) mesh groups through it.
     dist.barrier()
@@ -157,6 +166,12 @@ def errors():
     ("bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
+    ("root_setting_before_init", "ValueError",
+     ["unit 'layers.1'", "set_prefetch_depth() was called", "not the root", "would be ignored",
+      "model.set_prefetch_depth(...)"]),
+    ("root_setting_after_init", "ValueError",
+     ["unit 'layers.0'", "set_is_last_backward()", "root unit '<root>'",
+      "model.set_is_last_backward(...)"]),
 ])
 def test_clear_errors(errors, case, exc, needles):
     got_exc, msg = errors[case]
