@@ -1,0 +1,154 @@
+"""The layout arithmetic (fsdp_compose/_layout.py), in one process: no dist.
+
+Invariants checked on hand-made and random groups, at several world sizes:
+every parameter is contiguous and aligned in the unsharded flat, inside it,
+and never overlaps another; every rank's piece of it is a block of whole
+dim-0 rows starting aligned in the rank's chunk; the pieces of all ranks tile
+its rows in rank order (row granularity) or one rank holds it whole (tensor
+granularity); the chunk size stays near ``total / W``.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from fsdp_compose._layout import Layout, Piece, Slot, plan
+
+
+def _check(layout: Layout, align: int) -> None:
+    slots, W, S = layout.slots, layout.world, layout.chunk
+    assert S % align == 0 and S > 0
+    spans = []
+    for i, s in enumerate(slots):
+        off = layout.offsets[i]
+        assert off % align == 0, (i, off)
+        assert 0 <= off and off + s.numel <= W * S, (i, off, s, W, S)
+        if s.numel:
+            spans.append((off, off + s.numel))
+        got = [layout.rows_on(i, r) for r in range(W)]
+        held = [(a, b) for a, b in got if b > a]
+        if layout.granularity == "tensor":
+            assert len(held) == (1 if s.numel else 0), got
+        at = 0
+        for a, b in held:  # rank order, no gaps: the rows are tiled
+            assert a == at, (i, got)
+            at = b
+        assert at == (s.rows if s.numel else 0), (i, got, s)
+    spans.sort()
+    for (_, e0), (s1, _) in zip(spans, spans[1:]):
+        assert e0 <= s1, spans
+    for r in range(W):
+        pieces = layout.pieces(r)
+        end = 0
+        for p in pieces:
+            s = slots[p.entry]
+            assert p.offset % align == 0 and p.offset >= end, (r, p)
+            end = p.offset + (p.rows[1] - p.rows[0]) * s.row_numel
+            assert end <= S, (r, p, S)
+            # the piece sits where the flat has those rows: zero-copy
+            assert r * S + p.offset == layout.offsets[p.entry] + p.rows[0] * s.row_numel
+    assert sum(layout.rank_numel()) == sum(s.numel for s in slots)
+
+
+def _bound(slots, W, align, granularity) -> int:
+    total = sum(-(-s.numel // align) * align for s in slots)
+    if granularity == "tensor":  # largest-first greedy: within one parameter of the mean
+        return total // W + max(-(-s.numel // align) * align for s in slots) + align
+    worst = max(math.lcm(s.row_numel, align) for s in slots)
+    step = math.lcm(align, *(s.row_numel for s in slots if s.numel > total // W))
+    return -(-total // W) + worst + step + align
+
+
+def test_rows_example():
+    # Linear(16, 32) + bias, Linear(32, 16) + bias at 4 ranks, fp32 (align 4)
+    slots = [Slot(32, 16), Slot(32, 1), Slot(16, 32), Slot(16, 1)]
+    lay = plan(slots, 4, 4)
+    _check(lay, 4)
+    assert lay.chunk == 272
+    assert lay.offsets == (0, 512, 560, 1072)  # fc2 moved 16 forward: 816 cuts a row at 544
+    assert [lay.rows_on(0, r) for r in range(4)] == [(0, 17), (17, 32), (0, 0), (0, 0)]
+    assert [lay.rows_on(2, r) for r in range(4)] == [(0, 0), (0, 0), (0, 8), (8, 16)]
+    assert lay.pieces(1) == [Piece(0, (17, 32), 0), Piece(1, (0, 32), 240)]
+    assert lay.pieces(2) == [Piece(2, (0, 8), 16)]
+    assert lay.rank_numel() == (272, 272, 256, 272)
+
+
+def test_rows_boundary_moves_to_a_row_boundary():
+    # a 1-d parameter of 6 elements, then a (3, 5) matrix, at 2 ranks: 12 and
+    # 14 would cut the matrix mid-row (or make it span both boundaries); with
+    # 16 the boundary falls after its second row
+    slots = [Slot(6, 1), Slot(3, 5)]
+    lay = plan(slots, 2, 2)
+    _check(lay, 2)
+    assert lay.chunk == 16 and lay.offsets == (0, 6)
+    assert [lay.rows_on(1, r) for r in range(2)] == [(0, 2), (2, 3)]
+
+
+def test_big_parameter_spans_several_ranks():
+    # an embedding (100 rows of 12) alone over 8 ranks: every chunk whole rows
+    lay = plan([Slot(100, 12)], 8, 4)
+    _check(lay, 4)
+    assert lay.chunk % 12 == 0
+    rows = [lay.rows_on(0, r) for r in range(8)]
+    assert max(b - a for a, b in rows) == 13
+    assert rows[-1][1] == 100
+
+
+def test_single_rows_are_never_split():
+    lay = plan([Slot(1, 10), Slot(1, 10), Slot(1, 10)], 2, 4)
+    _check(lay, 4)
+
+
+def test_zero_d_and_empty_parameters():
+    slots = [Slot(1, 1), Slot(0, 7), Slot(5, 3), Slot(1, 1)]
+    for W in (1, 2, 4):
+        for g in ("row", "tensor"):
+            _check(plan(slots, W, 4, g), 4)
+
+
+def test_world_size_one_holds_everything():
+    slots = [Slot(7, 3), Slot(3, 1), Slot(1, 1)]
+    for g in ("row", "tensor"):
+        lay = plan(slots, 1, 4, g)
+        _check(lay, 4)
+        assert [lay.rows_on(i, 0) for i in range(3)] == [(0, 7), (0, 3), (0, 1)]
+
+
+def test_tensor_largest_first_least_loaded():
+    # sizes 40, 30, 20, 10, 10 over 2 ranks: 40->0, 30->1, 20->1, 10->0, 10->0
+    slots = [Slot(10, 1), Slot(40, 1), Slot(20, 1), Slot(30, 1), Slot(10, 1)]
+    lay = plan(slots, 2, 2, "tensor")
+    _check(lay, 2)
+    owners = [next(r for r in range(2) if lay.rows_on(i, r)[1] > 0) for i in range(5)]
+    assert owners == [0, 0, 1, 1, 0]
+    assert lay.rank_numel() == (60, 50) and lay.chunk == 60
+    # inside a chunk, parameters keep their own order
+    assert [p.entry for p in lay.pieces(0)] == [0, 1, 4]
+
+
+def test_bad_granularity():
+    with pytest.raises(ValueError, match="granularity"):
+        plan([Slot(2, 2)], 2, 4, "block")
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_random_groups(granularity):
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        slots = []
+        for _ in range(n):
+            kind = rng.random()
+            if kind < 0.15:
+                slots.append(Slot(1, 1))                          # 0-d
+            elif kind < 0.4:
+                slots.append(Slot(rng.randint(0, 70), 1))         # 1-d
+            else:
+                slots.append(Slot(rng.randint(0, 40), rng.choice([1, 2, 3, 5, 8, 12, 16, 33])))
+        W = rng.choice([1, 2, 3, 4, 8, 16])
+        align = rng.choice([1, 2, 4, 8])
+        lay = plan(slots, W, align, granularity)
+        _check(lay, align)
+        assert lay.chunk <= _bound(slots, W, align, granularity), (slots, W, align, lay.chunk)
