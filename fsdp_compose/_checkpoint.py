@@ -395,35 +395,81 @@ def _is_sharded_state(v: Any, p: torch.Tensor) -> bool:
             and v.shape == p.shape)
 
 
-def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -> dict:
-    """(id(entry), state key) -> full state tensor, one flat group gathered at a time.
+def _state_info(optim, ents) -> list[dict]:
+    """Per entry, this rank's optimizer state as ``{key: ("sharded", dtype)}``
+    for per-element tensors and ``{key: ("value", v)}`` for the rest (``step``,
+    Adafactor's factored statistics of a whole parameter ...)."""
+    out = []
+    for e in ents:
+        info = {}
+        for k, v in optim.state.get(e.sharded, {}).items():
+            if _is_sharded_state(v, e.sharded):
+                info[k] = ("sharded", v.dtype)
+            else:
+                info[k] = ("value", v)
+        out.append(info)
+    return out
 
-    Every rank must hold the same state keys per parameter (true for torch
-    optimizers: state exists for a parameter once it had a gradient, and
-    every rank gets every gradient)."""
+
+def _portable(info: dict) -> dict:
+    """``info`` with its tensors copied to CPU (to send to other ranks)."""
+    return {k: (kind, v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for k, (kind, v) in info.items()}
+
+
+def _merged_state_info(g, optim, ents) -> list[dict]:
+    """``_state_info`` merged over the group's ranks (one object all-gather).
+
+    A rank keeps no state for a parameter it holds no rows of (see [Note: empty
+    pieces] in _flat_group.py), so which keys exist, and the scalar values,
+    come from the ranks that do; the key order is the first such rank's."""
+    mine = _state_info(optim, ents)
+    if g.world == 1:
+        return mine
+    every = [None] * g.world
+    dist.all_gather_object(every, [_portable(i) for i in mine], group=g.pg)
+    merged = [dict() for _ in ents]
+    for r in range(g.world):  # rank order: the same merge on every rank
+        for m, info in zip(merged, every[r]):
+            for k, v in info.items():
+                m.setdefault(k, v)
+    for m, info in zip(merged, mine):  # this rank's own values where it has them
+        m.update({k: v for k, v in info.items() if v[0] == "value"})
+    return merged
+
+
+def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -> dict:
+    """id(entry) -> its full optimizer state ``{key: value}``, one flat group and
+    per-element key gathered at a time (every rank of the group, in the same
+    order: keys and their order come from the merged state of all ranks)."""
     in_optim = {p for grp in optim.param_groups for p in grp["params"]}
     out = {}
     for unit in _units(model):
         for g in unit.groups:
             ents = [e for e in g.entries if e.sharded in in_optim]
-            keys: dict[str, torch.Tensor] = {}
-            for e in ents:
-                for k, v in optim.state.get(e.sharded, {}).items():
-                    if _is_sharded_state(v, e.sharded):
+            infos = _merged_state_info(g, optim, ents)
+            full = [dict() for _ in ents]
+            keys: dict[str, torch.dtype] = {}
+            for info in infos:
+                for k, (kind, v) in info.items():
+                    if kind == "sharded":
                         keys.setdefault(k, v)
-            for k, ref in keys.items():
-                buf = torch.zeros(g.shard_numel, dtype=ref.dtype, device=ref.device)
+            for k, dtype in keys.items():
+                buf = torch.zeros(g.shard_numel, dtype=dtype, device=g.shard_device)
                 for e in ents:
                     v = optim.state.get(e.sharded, {}).get(k)
                     if v is not None:
                         buf[slice(*e.shard_range)].copy_(v.reshape(-1))
                 flat = _gather(g, buf)
-                for e in ents:
-                    if k in optim.state.get(e.sharded, {}):
-                        t = _tp_full(e, flat[e.offset:e.offset + e.numel].view(e.shape))
-                        if keep:
-                            out[(id(e), k)] = _keep_full(t, cpu_offload)
+                for e, info, f in zip(ents, infos, full):
+                    if k in info:
+                        f[k] = _tp_full(e, flat[e.offset:e.offset + e.numel].view(e.shape))
                 del flat, buf
+            for e, info, f in zip(ents, infos, full):
+                if info and keep:
+                    out[id(e)] = {k: (_keep_full(f[k], cpu_offload) if kind == "sharded"
+                                      else (v.clone() if isinstance(v, torch.Tensor) else v))
+                                  for k, (kind, v) in info.items()}
     return out
 
 
@@ -459,14 +505,18 @@ def _param_fqns(model: nn.Module) -> dict:
 
 def _ensure_optim_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a zero-gradient step with
-    lr 0), so that a checkpoint can be loaded into it in place."""
+    lr 0), so that a checkpoint can be loaded into it in place. Parameters this
+    rank holds no rows of keep no gradient, hence no state (as in training, see
+    [Note: empty pieces] in _flat_group.py)."""
+    from ._fully_shard import _SHARDED
     if optim.state:
         return
     params = [p for grp in optim.param_groups for p in grp["params"]]
     if any(p.grad is not None for p in params):
         return
     for p in params:
-        if p.requires_grad:
+        hit = _SHARDED.get(p)
+        if p.requires_grad and not (hit is not None and hit[1].held_elsewhere()):
             p.grad = torch.zeros_like(p)
     saved = []
     for grp in optim.param_groups:
@@ -493,15 +543,21 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
                          f"(positions {missing[:8]} in its param_groups). Pass the model the "
                          "optimizer was built for (built after fully_shard / materialize).")
     state = {}
-    for pid, st in osd["state"].items():
-        p = params[pid]
+    for pid, p in enumerate(params):
         hit = _SHARDED.get(p)
+        if full is not None and hit is not None:
+            # every rank's state, also where this rank keeps none (empty piece)
+            if id(hit[1]) in full:
+                state[fqns[p]] = full[id(hit[1])]
+            continue
+        st = osd["state"].get(pid)
+        if st is None:
+            continue
         new = {}
         for k, v in st.items():
             if hit is not None and _is_sharded_state(v, p):
                 g, e = hit
-                new[k] = (full[(id(e), k)] if full is not None
-                          else sharded_value(g, e, v.reshape(-1)))
+                new[k] = sharded_value(g, e, v.reshape(-1))
             elif full is not None and isinstance(v, torch.Tensor):
                 new[k] = v.clone()  # a full state dict is a snapshot (step is updated in place)
             else:
@@ -611,8 +667,9 @@ def _load_optim(optim, osd: dict, fqns: dict) -> None:
                                  f"of shape {tuple(p.shape)} that is not a parameter of this "
                                  "model. Pass the model the optimizer was built for.")
             src = src or where.get(fqn)
-            if fqn in loaded_state:
-                hit = _SHARDED.get(p)
+            hit = _SHARDED.get(p)
+            # no state where this rank holds none of it ([Note: empty pieces])
+            if fqn in loaded_state and not (hit is not None and hit[1].held_elsewhere()):
                 new_state[pid] = {k: _local_state(fqn, k, v, p, hit)
                                   for k, v in loaded_state[fqn].items()}
             ids.append(pid)

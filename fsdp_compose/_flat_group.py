@@ -5,9 +5,12 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
 
 - *local shard* ``shard`` (S): persistent, in the parameters' own dtype (the
   master copy), on the compute device, or on CPU with offloading. Rank r's
-  slice ``[r·S, (r+1)·S)`` of the padded flat buffer. The sharded
-  ``nn.Parameter``s the optimizer holds are 1-D views of it (full-shape at
-  world size 1, see [Note: world size 1]). Without mixed
+  chunk ``[r·S, (r+1)·S)`` of the padded flat buffer, laid out as in [Note:
+  shard layout] (_layout.py): each parameter's piece on this rank is a block
+  of whole dim-0 rows, and the sharded ``nn.Parameter``s the optimizer holds
+  are views of it shaped ``(rows_r, *shape[1:])`` (``ParamEntry.piece``): the
+  original ndim and trailing dims at every world size, the full shape at
+  world size 1. Without mixed
   precision or offloading it is the all-gather *input*, as is: no copy-in.
 - *unsharded flat* ``flat`` (W·S), in the *compute dtype* (``param_dtype`` of
   the unit's mixed-precision policy, else the parameters' dtype): a leaf
@@ -39,12 +42,13 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
   the backward all-gather runs within its group of N ranks.
 
-Layout: each parameter starts at a multiple of ``ALIGN_BYTES`` (gap elements
-between parameters are padding), and the total is padded to a multiple of
-``W × alignment`` so that every rank's shard starts aligned.
+Layout (_layout.py): every parameter is contiguous in the unsharded flat and
+starts at a multiple of ``ALIGN_BYTES`` (gap elements are padding); rank
+chunks are equal (``S``), so every rank's shard starts aligned too.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -54,16 +58,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _collectives
+from . import _collectives, _layout
 from ._common import ShardedState, unit_error
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _ceil_to(n: int, k: int) -> int:
-    return (n + k - 1) // k * k
 
 
 def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
@@ -104,23 +104,45 @@ class ParamEntry:
 
     fqn: str                        # name relative to the outermost fully_shard'd module
     shape: torch.Size
-    offset: int                     # start in the unsharded flat buffer
+    offset: int                     # start in the unsharded flat buffer (contiguous there)
     slots: list                     # [(module, attr_name)] that hold this parameter
-    local_range: tuple[int, int]    # slice of param.flatten() this rank holds
+    rows: tuple[int, int]           # the dim-0 rows this rank holds ((0, 0): none)
+    local_range: tuple[int, int]    # the same, as a slice of param.flatten()
     shard_range: tuple[int, int]    # the same elements' place in the local shard
-    sharded: nn.Parameter = None    # view of the local shard: 1-D, or full-shape (see ``full``)
+    whole: bool                     # this rank's piece is all of it (always at world size 1)
+    sharded: nn.Parameter = None    # view of the local shard, shaped ``piece_shape``
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
-    full: bool = False              # world size 1: ``sharded`` keeps the parameter's shape
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
 
+    @property
+    def piece_shape(self) -> torch.Size:
+        """``(rows_r, *shape[1:])``; a 0-d parameter's piece is 1-D (1 or 0
+        elements: a 0-d tensor cannot be empty), see docs/design.md."""
+        if not self.shape:
+            return torch.Size((self.local_range[1] - self.local_range[0],))
+        return torch.Size((self.rows[1] - self.rows[0],) + tuple(self.shape[1:]))
+
     def piece(self, buf: torch.Tensor) -> torch.Tensor:
         """Its part of a shard-sized ``buf``, shaped like ``sharded``."""
-        v = buf[slice(*self.shard_range)]
-        return v.view(self.shape) if self.full else v
+        return buf[slice(*self.shard_range)].view(self.piece_shape)
+
+    def holds_whole(self) -> bool:
+        """This rank's piece is the whole parameter, or the group does not
+        shard (world size 1)."""
+        return self.whole
+
+    def is_empty(self) -> bool:
+        """This rank's piece has 0 rows."""
+        return self.rows[1] == self.rows[0]
+
+    def held_elsewhere(self) -> bool:
+        """This rank holds none of it and another rank holds it: ``p.grad``
+        stays None here (see [Note: empty pieces])."""
+        return self.is_empty() and not self.whole
 
 
 @dataclass
@@ -149,7 +171,8 @@ class FlatGroup:
                  param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None,
                  offload: bool = False, pin_memory: bool = True,
-                 replicate_pg=None, post_forward: PostForward | None = None):
+                 replicate_pg=None, post_forward: PostForward | None = None,
+                 granularity: str = "row"):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
         self.dtype: torch.dtype = first.dtype  # of the shard: the master copy
@@ -172,46 +195,51 @@ class FlatGroup:
 
         itemsize = min(first.element_size(), self.compute_dtype.itemsize)
         align = max(1, ALIGN_BYTES // itemsize)
-        entries, split_sizes, view_at = [], [], []
-        offset = 0
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _, _ in params]
-        for (p, slots, fqn), local in zip(params, locals_):
-            n = local.numel()
-            view_at.append(len(split_sizes))
-            split_sizes.append(n)
-            end = _ceil_to(offset + n, align)
-            if end > offset + n:
-                split_sizes.append(end - offset - n)  # gap: padding
+        self.layout = layout = _layout.plan(
+            [_layout.Slot(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
+             for t in locals_], world, align, granularity)
+        self.granularity = granularity
+        self.padded_numel = layout.numel
+        self.shard_numel = S = layout.chunk
+        entries = []
+        for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
+            a, b = layout.rows_on(i, rank)
+            k = layout.slots[i].row_numel
+            off = layout.offsets[i]
+            shard_start = off + a * k - rank * S
             tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                   if isinstance(p, DTensor) else None)
-            # see [Note: world size 1]
-            full = world == 1 and tp is None and local.dim() > 0
-            entries.append(ParamEntry(fqn, local.shape, offset, slots, (0, 0), (0, 0), tp=tp,
-                                      full=full))
-            offset = end
-        self.padded_numel = _ceil_to(max(offset, 1), world * align)
-        if self.padded_numel > offset:
-            split_sizes.append(self.padded_numel - offset)  # tail padding
-        self.shard_numel = S = self.padded_numel // world
+            whole = world == 1 or (b - a == layout.slots[i].rows)
+            entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
+                                      (shard_start, shard_start + (b - a) * k) if b > a else (0, 0),
+                                      whole, tp=tp))
         self.entries: list[ParamEntry] = entries
+        # The unsharded flat split into the parameters (in flat order) and the
+        # padding between them: one split, one view per parameter.
+        split_sizes, view_at, at = [], [0] * len(entries), 0
+        for i in sorted(range(len(entries)), key=layout.offsets.__getitem__):
+            if layout.offsets[i] > at:
+                split_sizes.append(layout.offsets[i] - at)  # padding
+            view_at[i] = len(split_sizes)
+            split_sizes.append(entries[i].numel)
+            at = layout.offsets[i] + entries[i].numel
+        if self.padded_numel > at:
+            split_sizes.append(self.padded_numel - at)  # tail padding
         # [Note: world size 1] Every rank holds every element, so a sharded
-        # Parameter that is not a DTensor keeps its shape (``full``): the
-        # parameters look as in plain PyTorch. When there is also nothing to
-        # cast, reduce (HSDP) or re-expose, the group is *direct*: the
-        # Parameters are then full-shape leaves over the shard with their own
+        # Parameter's piece is the whole parameter, in its own shape (a 0-dim
+        # one is 1-D: see ``piece_shape``). When there is also nothing to
+        # cast, reduce (HSDP) or re-expose (DTensor), the group is *direct*:
+        # the Parameters are then full-shape leaves over the shard with their own
         # AccumulateGrad (plain PyTorch's backward): no views to swap, no flat
         # gradient, no hooks (see Unit.passive). Not for 0-dim parameters: their
-        # optimizer state (0-dim exp_avg) would look like a replicated scalar
-        # such as ``step``; they stay 1-D.
-        self.direct = (all(e.full for e in entries) and self.replicas == 1
+        # piece is 1-D (a 0-dim exp_avg would look like a replicated scalar
+        # such as ``step`` in optimizer state), so it cannot be the leaf itself.
+        self.direct = (world == 1 and all(e.tp is None and len(e.shape) > 0 for e in entries)
+                       and self.replicas == 1
                        and not self._copies_in and self.reduce_dtype == self.dtype
                        and post_forward is None)
         self._split_sizes, self._view_at = split_sizes, view_at
-        lo, hi = rank * S, (rank + 1) * S
-        for e in entries:
-            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-            if a < b:
-                e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
 
         self._grad_hook = None
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
@@ -405,12 +433,21 @@ class FlatGroup:
     # The gradient shard is held only by the p.grad views (through their
     # ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
     # We keep weak references, to recognise our views and accumulate into them.
+    #
+    # [Note: empty pieces] Where this rank holds none of a parameter that
+    # other ranks hold (``ParamEntry.held_elsewhere``: a row piece of 0 rows,
+    # or a tensor-layout parameter owned by another rank), ``p.grad`` stays
+    # None: the optimizer skips the parameter here, as it skips any parameter
+    # without a gradient, and keeps no state for it on this rank. An empty
+    # gradient would make optimizers that normalise by the element count
+    # divide by zero (torch.optim.Adafactor) and run matrix code on empty
+    # matrices (Muon).
     def _adopt_grad_shard(self, buf: torch.Tensor) -> None:
-        views = [e.piece(buf) for e in self.entries]
+        views = [None if e.held_elsewhere() else e.piece(buf) for e in self.entries]
         for e, v in zip(self.entries, views):
             e.sharded.grad = v
         self._grad_shard_ref = weakref.ref(buf)
-        self._grad_view_refs = [weakref.ref(v) for v in views]
+        self._grad_view_refs = [None if v is None else weakref.ref(v) for v in views]
 
     def _grad_mode(self) -> str:
         """fresh: no p.grad is set; accumulate: every p.grad is our view; else mixed."""
@@ -418,7 +455,8 @@ class FlatGroup:
         if all(g is None for g in grads):
             return "fresh"
         refs = self._grad_view_refs
-        if refs is not None and all(g is r() for g, r in zip(grads, refs)):
+        if refs is not None and all(g is (r() if r is not None else None)
+                                    for g, r in zip(grads, refs)):
             return "accumulate"
         return "mixed"
 
@@ -494,13 +532,15 @@ class FlatGroup:
                     buf.add_(out)
                 else:  # adopted a view of a bucket's output: only the p.grad views hold it
                     for e in self.entries:
-                        e.sharded.grad.add_(e.piece(out))
+                        if e.sharded.grad is not None:
+                            e.sharded.grad.add_(e.piece(out))
             else:  # some p.grad were set to None or replaced by the user
                 for e in self.entries:
                     piece = e.piece(out)
                     g = e.sharded.grad
                     if g is None:
-                        e.sharded.grad = piece.clone()
+                        if not e.held_elsewhere():
+                            e.sharded.grad = piece.clone()
                     else:
                         g.add_(piece.view_as(g))
 
@@ -508,7 +548,7 @@ class FlatGroup:
         dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
-                f"{self.state.name})")
+                f"{self.granularity}, {self.state.name})")
 
 
 def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:

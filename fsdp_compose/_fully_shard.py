@@ -14,6 +14,7 @@ from ._checkpoint import register_hooks as register_state_dict_hooks
 from ._common import root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
+from ._layout import GRANULARITIES
 from ._state import assign_fqns, unit_of
 from ._unit import Unit
 
@@ -299,7 +300,7 @@ def _reduce_scatter_group(pg):
 
 
 def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
-                  offload, post_forward_size: int | None) -> list[FlatGroup]:
+                  offload, post_forward_size: int | None, granularity: str) -> list[FlatGroup]:
     by_key: dict[tuple, list] = {}
     for item in params:
         p = item[0]
@@ -314,7 +315,8 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
                       param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                       offload=offload is not None,
                       pin_memory=bool(offload is not None and offload.pin_memory),
-                      replicate_pg=replicate_pg, post_forward=post_forward)
+                      replicate_pg=replicate_pg, post_forward=post_forward,
+                      granularity=granularity)
             for items in by_key.values()]
 
 
@@ -379,7 +381,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: OffloadPolicy | None = None,
-                ignored_params: Iterable[nn.Parameter] | None = None):
+                ignored_params: Iterable[nn.Parameter] | None = None,
+                shard_granularity: str = "row"):
     """Shard ``module``'s parameters across the ranks of ``mesh``, in place.
 
     Call it bottom-up: on each block, then on the root. The parameters of
@@ -406,12 +409,19 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
             gradient shards and optimizer state on CPU.
         ignored_params: parameters to leave alone (not sharded, not reduced).
 
-    Differences from torch FSDP2: while sharded, a parameter is a 1-D tensor
-    (this rank's slice of the flattened original, possibly empty), not a
-    DTensor; at shard world size 1 it keeps its full shape (see docs/design.md,
-    "World size 1"). ``fsdp_compose.param_info(p)`` tells its FQN, global
-    shape and local range at any world size. Build the optimizer after
-    ``fully_shard``.
+        shard_granularity: ``"row"`` (default): each rank holds a block of
+            whole dim-0 rows of each parameter. ``"tensor"``: each parameter
+            lives whole on one rank (balanced by size; the other ranks hold
+            an empty piece), so optimizers that need whole matrices (Muon,
+            Adafactor) run exactly, each matrix on one rank.
+
+    Differences from torch FSDP2: while sharded, a parameter is a plain tensor
+    holding this rank's dim-0 rows, shape ``(rows, *shape[1:])`` (possibly 0
+    rows), not a DTensor: ``p.ndim`` and ``p.shape[1:]`` are the original's;
+    ``p.shape[0]`` is the rows this rank holds (the full shape at shard world
+    size 1). Where a rank holds no rows of a parameter, its ``p.grad`` stays
+    None. ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
+    at any world size. Build the optimizer after ``fully_shard``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
@@ -437,6 +447,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                          "Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
                          "mesh['dp_replicate', 'dp_shard'].", exc=ValueError)
     mp_policy, offload = _check_policies(label, mp_policy, offload_policy)
+    if shard_granularity not in GRANULARITIES:
+        raise unit_error(label, f"shard_granularity must be one of {GRANULARITIES}, got "
+                         f"{shard_granularity!r}.", "Use \"row\" (the default: each rank holds "
+                         "whole dim-0 rows of every parameter) or \"tensor\" (each parameter "
+                         "whole on one rank, for optimizers such as Muon or Adafactor).",
+                         exc=ValueError)
 
     ignored = list(ignored_params or ())
     own = {id(p) for m in modules for p in m.parameters()}
@@ -451,8 +467,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     reshard_after_forward, post_forward_size = _check_reshard_after_forward(
         label, reshard_after_forward, shard_world)
     params = _collect(modules, {id(p) for p in ignored}, label)
-    groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size)
-              if params else [])
+    groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
+                            shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
                 mp_policy=mp_policy)
     for g in groups:
@@ -527,6 +543,7 @@ def param_info(param: torch.Tensor):
                          f"fully_shard (shape {tuple(param.shape)}). Pass one of "
                          "model.parameters() after fully_shard, while the model is sharded.")
     g, e = hit
-    if e.tp is not None:
-        return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn, e.tp.placements, e.tp.shape)
-    return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn)
+    rank_bytes = tuple(n * g.dtype.itemsize for n in g.layout.rank_numel())
+    tp = (e.tp.placements, e.tp.shape) if e.tp is not None else (None, None)
+    return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn, *tp, rows=e.rows,
+                     granularity=g.granularity, rank_bytes=rank_bytes)

@@ -12,14 +12,23 @@ class ParamInfo:
 
     ``fqn``: its name in the outermost module ``fully_shard`` was applied to.
     ``shape``: its global (unsharded) shape.
-    ``local_range``: ``(start, end)`` such that, while sharded, the parameter
-    tensor equals ``full_param.flatten()[start:end]`` (``start == end`` when
-    this rank holds none of it); at shard world size 1 it is ``(0, numel)``
-    and the parameter keeps its shape (flatten it to compare).
+    ``rows``: ``(start, end)``: while sharded, the parameter tensor is rows
+    ``full_param[start:end]`` of dim 0 (shape ``(end - start, *shape[1:])``;
+    ``(0, 0)`` when this rank holds none of it). At shard world size 1 it is
+    ``(0, shape[0])``: the whole parameter. (A 0-d parameter is one row, and
+    its piece is 1-D, of 1 or 0 elements.)
+    ``local_range``: the same piece as ``(start, end)`` of
+    ``full_param.flatten()``.
     ``unit_fqn``: the fully_shard unit that owns it.
+    ``granularity``: the unit's ``shard_granularity`` (``"row"`` or ``"tensor"``).
+    ``rank_bytes``: for each rank of the shard group, the bytes of parameters
+    (padding excluded) it holds in this parameter's flat group: ``max`` over
+    ``mean`` is the group's imbalance (the most loaded rank sets the size of
+    the collectives and the optimizer's time).
     ``placements`` / ``tp_shape``: for a tensor-parallel (DTensor) parameter,
     its placements on its TP mesh and its global shape; ``shape`` is then the
-    shape of this rank's TP shard (what the flat buffer holds). None otherwise.
+    shape of this rank's TP shard (what the flat buffer holds, and whose rows
+    ``rows`` counts). None otherwise.
     """
 
     fqn: str
@@ -28,6 +37,9 @@ class ParamInfo:
     unit_fqn: str
     placements: tuple | None = None
     tp_shape: torch.Size | None = None
+    rows: tuple[int, int] = (0, 0)
+    granularity: str = "row"
+    rank_bytes: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:

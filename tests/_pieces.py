@@ -2,24 +2,44 @@
 
 Written from the documented rule, not from the library's internals: a sharded
 parameter (and its gradient and per-element optimizer state) holds elements
-``local_range`` of the row-major flattening of the full tensor. It is 1-D,
-except at shard world size 1, where a parameter that is not a DTensor and has
-at least one dimension keeps its own shape (docs/design.md, "World size 1").
+``local_range`` of the row-major flattening of the full tensor, which are
+whole dim-0 rows; it is shaped ``(rows, *full_shape[1:])`` at every world size
+(the full shape at shard world size 1). A 0-d parameter's piece is 1-D
+(docs/design.md, "Layout and padding"). For a tensor-parallel parameter,
+``full`` is this rank's TP shard.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def expected_shape(full_shape, local_range, shard_world: int, tp: bool = False) -> tuple:
+def expected_shape(full_shape, local_range, shard_world: int = 0, tp: bool = False) -> tuple:
     a, b = local_range
-    if shard_world == 1 and not tp and len(full_shape) > 0:
-        return tuple(full_shape)
-    return (b - a,)
+    full_shape = tuple(full_shape)
+    if not full_shape:
+        return (b - a,)
+    inner = math.prod(full_shape[1:])
+    if inner == 0:
+        return (0,) + full_shape[1:] if shard_world != 1 else full_shape
+    assert a % inner == 0 and b % inner == 0, (full_shape, local_range)
+    return ((b - a) // inner,) + full_shape[1:]
 
 
-def local_piece(full: torch.Tensor, local_range, shard_world: int, tp: bool = False):
+def local_piece(full: torch.Tensor, local_range, shard_world: int = 0, tp: bool = False):
     """``full``'s elements ``local_range`` (of its flattening), shaped as ours."""
     a, b = local_range
     piece = full.detach().reshape(-1)[a:b]
     return piece.view(expected_shape(full.shape, local_range, shard_world, tp))
+
+
+def piece_close(got, full: torch.Tensor, local_range, **tol) -> bool:
+    """``got`` (a sharded parameter's tensor or gradient) equals ``full``'s
+    piece, within ``tol`` (``torch.allclose``). A gradient is None exactly
+    where this rank holds none of the parameter (docs/design.md, "Layout and
+    padding": empty pieces)."""
+    a, b = local_range
+    if got is None:
+        return a == b and full.numel() > 0
+    return torch.allclose(got, local_piece(full, local_range), **tol)

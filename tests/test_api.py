@@ -193,22 +193,27 @@ def _semantics(rank, world):
         "keeps_class": isinstance(m, Net) and isinstance(m.layers[1], Block),
         "inner_plain": not isinstance(m.layers[0].lin1, FSDPModule),
         "names_same": [n for n, _ in m.named_parameters()] == names_before,
-        "all_1d": all(p.dim() == 1 for p in m.parameters()),
+        # row pieces: the original ndim and trailing dims, this rank's rows
+        "same_ndim": all(p.dim() == r.dim() and p.shape[1:] == r.shape[1:]
+                         for p, r in zip(m.parameters(), ref.parameters())),
         "local_numel": sum(p.numel() for p in m.parameters()),
         "global_numel": sum(param_info(p).numel for p in m.parameters()),
     }
     # every local piece is the matching slice of the original parameter
     rp = dict(ref.named_parameters())
     out["slices_match"] = all(
-        torch.equal(p.detach(), rp[n].detach().flatten()[slice(*param_info(p).local_range)])
+        torch.equal(p.detach(), rp[n].detach()[slice(*param_info(p).rows)])
+        and torch.equal(p.detach().flatten(),
+                        rp[n].detach().flatten()[slice(*param_info(p).local_range)])
         for n, p in m.named_parameters())
+    sharded = dict(m.named_parameters())
     # unshard() installs full-shape views with the full values; reshard() undoes it
     m.layers[1].unshard()
     out["unsharded_full"] = all(
         torch.equal(getattr(m.layers[1], a).weight, getattr(ref.layers[1], a).weight)
         for a in ("lin1", "lin2"))
     m.layers[1].reshard()
-    out["resharded_1d"] = m.layers[1].lin1.weight.dim() == 1
+    out["resharded"] = m.layers[1].lin1.weight is sharded["layers.1.lin1.weight"]
     h = m.layers[0].unshard(async_op=True)
     h.wait()
     out["async_unshard"] = m.layers[0].lin2.weight.shape == ref.layers[0].lin2.weight.shape
@@ -217,7 +222,9 @@ def _semantics(rank, world):
     x = torch.randn(4, 3)
     with torch.no_grad():
         out["eval_equal"] = torch.allclose(m(x), ref(x), atol=1e-6)
-    out["sharded_after_eval"] = all(p.dim() == 1 for p in m.parameters())
+    out["sharded_after_eval"] = all(
+        p is q and p.shape[0] == param_info(p).rows[1] - param_info(p).rows[0]
+        for p, q in zip(m.parameters(), sharded.values()))
     return out
 
 
@@ -226,8 +233,8 @@ def semantics():
     return run_distributed(_semantics, 2)
 
 
-@pytest.mark.parametrize("key", ["is_fsdp", "keeps_class", "inner_plain", "names_same", "all_1d",
-                                 "slices_match", "unsharded_full", "resharded_1d",
+@pytest.mark.parametrize("key", ["is_fsdp", "keeps_class", "inner_plain", "names_same",
+                                 "same_ndim", "slices_match", "unsharded_full", "resharded",
                                  "async_unshard", "eval_equal", "sharded_after_eval"])
 def test_semantics(semantics, key):
     assert all(r[key] for r in semantics), [r[key] for r in semantics]

@@ -59,6 +59,7 @@ from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, recor
                           register_fsdp_forward_method, reset_comm_stats)
 
 from ._dist import DistributedError, run_distributed
+from ._pieces import expected_shape, local_piece
 from .test_api import per_unit_collectives
 
 WORLD_SIZES = (2, 4)
@@ -253,8 +254,9 @@ def _diff(tag: str, ours: torch.Tensor, exp: torch.Tensor, rtol=RTOL, atol=ATOL)
 
 
 def all_sharded(model: nn.Module) -> List[str]:
-    bad = [n for n, p in model.named_parameters() if p.dim() != 1]
-    return [f"not sharded (1-D) again: {bad}"] if bad else []
+    bad = [n for n, p in model.named_parameters()
+           if tuple(p.shape) != expected_shape(param_info(p).shape, param_info(p).local_range)]
+    return [f"not sharded (row pieces) again: {bad}"] if bad else []
 
 
 def compare_params(model, ref, tag: str, grads: bool, atol=ATOL) -> List[str]:
@@ -266,21 +268,23 @@ def compare_params(model, ref, tag: str, grads: bool, atol=ATOL) -> List[str]:
     for name, p in ours:
         r = theirs[name]
         s, e = param_info(p).local_range
-        if p.dim() != 1 or p.numel() != e - s:
-            problems.append(f"{tag}: {name} is not its 1-D shard ({tuple(p.shape)}, [{s}:{e}])")
+        if tuple(p.shape) != expected_shape(r.shape, (s, e)):
+            problems.append(f"{tag}: {name} is not its row piece ({tuple(p.shape)}, [{s}:{e}])")
             continue
         if grads:
             if r.grad is None or p.grad is None:
+                if s == e and p.grad is None:
+                    continue  # this rank holds none of it (docs/design.md: empty pieces)
                 if (r.grad is None) != (p.grad is None):
                     ours_g = "None" if p.grad is None else "set"
                     ref_g = "None" if r.grad is None else "set"
                     problems.append(f"{tag}: grad of {name}: ours {ours_g}, reference {ref_g}")
                 continue
             problems += _diff(f"{tag} grad {name}[{s}:{e}]", p.grad,
-                              r.grad.reshape(-1)[s:e], atol=atol)
+                              local_piece(r.grad, (s, e)), atol=atol)
         else:
             problems += _diff(f"{tag} param {name}[{s}:{e}]", p.detach(),
-                              r.detach().reshape(-1)[s:e], atol=atol)
+                              local_piece(r, (s, e)), atol=atol)
     return problems
 
 
