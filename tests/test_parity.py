@@ -308,6 +308,25 @@ def shard_tied(m, impl):
     return [(m, TiedLM), (m.embed, nn.Embedding), (m.head, nn.Linear)]
 
 
+class _WithKw:
+    """An implementation whose fully_shard always gets ``kw`` too."""
+
+    def __init__(self, impl, **kw):
+        self._impl, self._kw = impl, kw
+
+    def fully_shard(self, m, **kw):
+        return self._impl.fully_shard(m, **self._kw, **kw)
+
+
+def tensor_layout(shard):
+    """``shard`` with every unit at ``shard_granularity="tensor"`` (each
+    parameter whole on one rank; the other ranks hold an empty piece)."""
+    def f(m, impl):
+        return shard(m, _WithKw(impl, shard_granularity="tensor") if impl.flat else impl)
+
+    return f
+
+
 class Twice(nn.Module):
     def __init__(self, din=6, d=16, dout=3):
         super().__init__()
@@ -486,6 +505,16 @@ SCENARIOS: Dict[str, Scenario] = {
     "eval_no_grad_between_steps_no_reshard": Scenario(MLP, shard_mlp(False), sgd,
                                                       regression_data(8, 4), mse_loss,
                                                       eval_after=(-1, 1, 3, 5)),
+    "tensor_mlp_nested_adamw_reshard": Scenario(MLP, tensor_layout(shard_mlp(True)), adamw,
+                                                regression_data(8, 4), mse_loss),
+    "tensor_mlp_clip_grad_norm_l2": Scenario(MLP, tensor_layout(shard_mlp(False)), sgd,
+                                             regression_data(8, 4), mse_loss, clip=(0.05, 2.0)),
+    "tensor_uneven_padding": Scenario(Uneven, tensor_layout(shard_uneven), adamw,
+                                      regression_data(7, 3), mse_loss),
+    "tensor_tied_embedding_list_unit": Scenario(TiedLM, tensor_layout(shard_tied), adamw,
+                                                token_data(), lm_loss),
+    "tensor_mixed_dtype_unit": Scenario(MixedNet, tensor_layout(shard_mixed), sgd,
+                                        regression_data(6, 2), mse_loss),
     "unit_output_used_on_rank0_only_reshard": Scenario(SideNet, shard_side(True), sgd,
                                                        regression_data(6, 3), rank0_only_loss,
                                                        per_rank_ref=True),
