@@ -85,11 +85,12 @@ class Net(nn.Module):
         return self.head(self.norm(self.scale(x)))
 
 
-def shard_ours(model: Net) -> Net:
+def shard_ours(model: Net, granularity: str = "row") -> Net:
+    g = {"shard_granularity": granularity}
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard([model.embed, model.head])            # the tied pair: one list unit
-    return fully_shard(model)                         # scale (f64) + norm (frozen bias)
+        fully_shard(layer, **g)
+    fully_shard([model.embed, model.head], **g)       # the tied pair: one list unit
+    return fully_shard(model, **g)                    # scale (f64) + norm (frozen bias)
 
 
 def shard_fsdp2(model: Net) -> Net:
@@ -162,15 +163,15 @@ def snapshots_equal(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def ours_fresh(seed: int):
+def ours_fresh(seed: int, granularity: str = "row"):
     torch.manual_seed(seed)
-    model = shard_ours(Net())
+    model = shard_ours(Net(), granularity)
     return model, make_optim(model)
 
 
-def resume_ours(path: str, seed: int = 1):
+def resume_ours(path: str, seed: int = 1, granularity: str = "row"):
     """A differently-initialised sharded model, loaded from ``path`` (DCP)."""
-    model, opt = ours_fresh(seed)
+    model, opt = ours_fresh(seed, granularity)
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -321,6 +322,49 @@ def _save_run(rank, world, root):
     save_torch(f2, f2_opt, os.path.join(root, "fsdp2"))
     out["ref_losses"] = ref_losses
     out["meta"] = _meta_parity(rank, world)
+    out.update(_tensor_layout_save(rank, world, root, ref, ref_opt))
+    out.update(_switch_layouts(rank, world, root))
+    return out
+
+
+def _tensor_layout_save(rank, world, root, ref, ref_opt) -> dict:
+    """The tensor layout (each parameter whole on one rank; the others keep no
+    optimizer state for it): full state dicts, an exact DCP round trip, and a
+    save that the other layouts and world sizes load."""
+    out = {}
+    model, opt = ours_fresh(0, "tensor")
+    out["tensor_before"] = train(model, opt, range(SAVE_AT), rank, world)
+    full_msd, full_osd = get_state_dict(model, opt, full_state_dict=True)
+    out["tensor_full_vs_ref"] = _check_full(full_msd, full_osd, ref, ref_opt)
+    off_msd, off_osd = get_state_dict(model, opt, full_state_dict=True, cpu_offload=True)
+    if rank == 0:
+        out["tensor_full_vs_ref"] += _check_full(off_msd, off_osd, ref, ref_opt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "ours_tensor"))
+    at_save = local_snapshot(model, opt)
+    model2, opt2 = resume_ours(os.path.join(root, "ours_tensor"), granularity="tensor")
+    out["tensor_dcp_round_trip"] = snapshots_equal(local_snapshot(model2, opt2), at_save)
+    train(model2, opt2, [SAVE_AT], rank, world)  # perturb, then load the full state dict
+    set_state_dict(model2, opt2, model_state_dict=full_msd, optim_state_dict=full_osd)
+    out["tensor_full_round_trip"] = snapshots_equal(local_snapshot(model2, opt2), at_save)
+    out["meta_tensor"] = _meta_parity(rank, world, "tensor")
+    return out
+
+
+def _switch_layouts(rank, world, root) -> dict:
+    """Row <-> tensor <-> FSDP2: each loads the others' checkpoints (run at
+    every world size; the checkpoints were saved at 2 ranks)."""
+    out = {}
+    model, opt = resume_ours(os.path.join(root, "ours"), granularity="tensor")
+    out["tensor_from_row"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    model, opt = resume_ours(os.path.join(root, "ours_tensor"))
+    out["row_from_tensor"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    model, opt = resume_ours(os.path.join(root, "fsdp2"), seed=3, granularity="tensor")
+    out["tensor_from_fsdp2"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    torch.manual_seed(2)
+    f2 = shard_fsdp2(Net())
+    f2_opt = resume_torch(f2, os.path.join(root, "ours_tensor"))
+    out["fsdp2_from_tensor"] = train(f2, f2_opt, range(SAVE_AT, STEPS), rank, world)
     return out
 
 
@@ -353,6 +397,8 @@ def _resume_run(rank, world, root):
         model, opt = resume_ours(os.path.join(root, "ours_ws1"), seed=6)
         out["from_ws1"] = train(model, opt, range(SAVE_AT, STEPS), rank, world)
     out["meta"] = _meta_parity(rank, world)
+    out["meta_tensor"] = _meta_parity(rank, world, "tensor")
+    out.update(_switch_layouts(rank, world, root))
     return out
 
 
@@ -410,7 +456,7 @@ class NoInit(nn.Module):
         return self.lin(x) * self.w.sum()
 
 
-def _meta_parity(rank, world) -> dict:
+def _meta_parity(rank, world, granularity="row") -> dict:
     """meta build + fully_shard + materialize == eager build, bitwise, same RNG after."""
     torch.manual_seed(0)
     eager = Net()
@@ -418,7 +464,7 @@ def _meta_parity(rank, world) -> dict:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Net()
-    shard_ours(model)
+    shard_ours(model, granularity)
     fsdp_compose.materialize(model)
     out = {"rng": torch.equal(torch.get_rng_state(), rng_eager)}
     full, _ = get_state_dict(model, [], full_state_dict=True)
@@ -579,12 +625,31 @@ def test_tools_convert_and_inspect(runs):
     assert "usage" in files["help"]
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_meta_init_parity_bitwise(runs, world):
+def test_meta_init_parity_bitwise(runs, world, granularity):
     ref = runs["ref"]
+    key = "meta" if granularity == "row" else "meta_tensor"
     for r in runs[world]:
-        m = r["meta"]
+        m = r[key]
         assert m["diff"] == [] and m["rng"] and m["tied"] and m["frozen"]
-    assert _close(global_losses([r["meta"]["loss"] for r in runs[world]]), ref[:1])
-    err = runs[world][0]["meta"]["error"]
+    assert _close(global_losses([r[key]["loss"] for r in runs[world]]), ref[:1])
+    err = runs[world][0][key]["error"]
     assert "1 parameter(s)/buffer(s) were not initialised: w." in err, err
+
+
+def test_tensor_layout_state_dicts(runs):
+    ref = runs["ref"]
+    assert _close(global_losses([r["tensor_before"] for r in runs[2]]), ref[:SAVE_AT])
+    for r in runs[2]:
+        assert r["tensor_full_vs_ref"] == []      # also where a rank keeps no state
+        assert r["tensor_dcp_round_trip"] == []   # exact, through DCP
+        assert r["tensor_full_round_trip"] == []  # through full tensors
+
+
+@pytest.mark.parametrize("switch", ["tensor_from_row", "row_from_tensor", "tensor_from_fsdp2",
+                                    "fsdp2_from_tensor"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_switch_layout_between_save_and_load(runs, world, switch):
+    # saved at 2 ranks in one layout, resumed at 1, 2 and 4 in another
+    assert _close(global_losses([r[switch] for r in runs[world]]), runs["ref"][SAVE_AT:])
