@@ -15,6 +15,13 @@ an order that alternates between repeats:
   ``reduce_scatter_tensor``) and ours: a fresh random input every time, made
   outside the timed region; the timed region ends with the S-element result.
 
+With ``--uneven-row R`` a third all-gather runs too, ``ag_uneven``: the
+layout alternative of uneven rank pieces (rank chunks of whole rows of R
+elements, alternately one row more and one row less than ``S``, laid end to
+end with no padding), gathered by the same per-rank broadcasts straight into
+their (uneven) views; ``ag_ours`` then stands for the equal, padded chunks
+(every chunk the largest piece, ``S`` + one row), as fsdp_compose lays them out.
+
 A barrier precedes every timed call. Wall ms is the slowest rank's, CPU ms
 (``time.process_time()``: every thread of the process, gloo's included) the
 mean over ranks; the table prints the median over repeats of each and the
@@ -63,7 +70,24 @@ def _run(cfg: dict, rank: int, world: int) -> dict:
         gen = torch.Generator().manual_seed(rank)
         shard = torch.randn(S, generator=gen)
 
+        row = cfg.get("uneven_row") or 0
+        if row:  # equal chunks padded to the largest uneven piece (see the docstring)
+            sizes = [S + (row if r % 2 == 0 else -row) for r in range(world)]
+            sizes[-1] += S * world - sum(sizes)
+            S = max(sizes)
+            n = S * world
+            shard = torch.randn(S, generator=gen)
+            mine = shard[:sizes[rank]]
+
         def call(variant: str, flat):
+            if variant == "ag_uneven":  # the alternative layout: no padding, uneven views
+                full = torch.empty(sum(sizes))
+                views = full.split(sizes)
+                views[rank].copy_(mine)
+                works = [dist.broadcast(v, src=r, async_op=True) for r, v in enumerate(views)]
+                for w in works:
+                    w.wait()
+                return full
             if variant == "ag_torch":
                 full = torch.empty(n)
                 ag_torch(full, shard, async_op=True).wait()
@@ -79,15 +103,19 @@ def _run(cfg: dict, rank: int, world: int) -> dict:
             return C.reduce_scatter(flat, None, AVG).wait()
 
         # untimed round: warm up, and check that ours computes what torch does
+        variants = VARIANTS + (["ag_uneven"] if row else [])
         got = {v: call(v, torch.randn(n, generator=torch.Generator().manual_seed(7 + rank)))
-               for v in VARIANTS}
+               for v in variants}
         assert torch.equal(got["ag_ours"], got["ag_torch"]), f"{mib} MiB: all-gathers differ"
+        if row:
+            for r, v in enumerate(got["ag_uneven"].split(sizes)):
+                assert torch.equal(v, got["ag_ours"].view(world, S)[r, :sizes[r]]), "uneven"
         torch.testing.assert_close(got["rs_ours"], got["rs_torch"])
         del got
 
-        times = {v: {"wall_ms": [], "cpu_ms": []} for v in VARIANTS}
+        times = {v: {"wall_ms": [], "cpu_ms": []} for v in variants}
         for i in range(cfg["repeats"]):
-            for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+            for v in (variants if i % 2 == 0 else variants[::-1]):
                 flat = torch.randn(n, generator=gen) if v.startswith("rs") else None
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -127,13 +155,17 @@ def _worker_entry(cfg_path: str) -> None:
 # =============================================================================
 
 def summarise(ranks: list[dict], sizes: list[float]) -> list[dict]:
-    """One row per (collective, size): medians over repeats, and ours / torch."""
+    """One row per (collective, size): medians over repeats, and ours / torch
+    (for "uneven all-gather": uneven pieces / fsdp_compose's equal chunks)."""
     rows = []
-    for coll, label in (("ag", "all-gather"), ("rs", "reduce-scatter")):
+    pairs = [("ag", "all-gather", "torch", "ours"), ("rs", "reduce-scatter", "torch", "ours")]
+    if "ag_uneven" in ranks[0]["sizes"][str(sizes[0])]["times"]:
+        pairs.append(("ag", "uneven all-gather", "ours", "uneven"))
+    for coll, label, base, new in pairs:
         for mib in sizes:
             med = {}
-            for impl in ("torch", "ours"):
-                per_rank = [r["sizes"][str(mib)]["times"][f"{coll}_{impl}"] for r in ranks]
+            for impl, key in (("torch", base), ("ours", new)):
+                per_rank = [r["sizes"][str(mib)]["times"][f"{coll}_{key}"] for r in ranks]
                 wall = [max(ts) for ts in zip(*(t["wall_ms"] for t in per_rank))]
                 cpu = [statistics.fmean(cs) for cs in zip(*(t["cpu_ms"] for t in per_rank))]
                 med[impl] = (statistics.median(wall), statistics.median(cpu))
@@ -178,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=300, help="seconds for the whole launch")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON output file")
+    p.add_argument("--uneven-row", type=int, default=0, metavar="R",
+                   help="also time uneven rank pieces of R-element rows against equal "
+                        "padded chunks (the 'uneven all-gather' rows: torch = equal, ours = uneven)")
     args = p.parse_args(argv)
 
     cfg = {"sizes": args.sizes, "repeats": args.repeats, "threads": args.threads,
-           "timeout": args.timeout}
+           "timeout": args.timeout, "uneven_row": args.uneven_row}
     try:
         ranks = run_ranks("benchmarks.collectives", _PRELOAD, cfg, args.world_size, args.timeout,
                           f"collectives (world {args.world_size})")

@@ -127,6 +127,35 @@ ACCUM_MICRO = 4
 BF16_RTOL = 1e-2       # bf16 settings: fsdp_compose vs FSDP2 (no bit-identity to expect)
 
 
+def _layout_module():
+    """fsdp_compose/_layout.py loaded on its own (pure Python: importing the
+    package would import torch into this orchestrating process)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "_fsdp_compose_layout", os.path.join(ROOT, "fsdp_compose", "_layout.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def layout_line(shape: Shape, world: int) -> str:
+    """How evenly one block unit's fp32 parameters spread over ``world`` ranks,
+    in the row layout (the default) and the tensor layout (``shard_granularity=
+    "tensor"``): max over mean bytes per rank, and padding in the collectives."""
+    lay = _layout_module()
+    slots = [lay.Slot(shape.hidden, shape.dim), lay.Slot(shape.hidden, 1),
+             lay.Slot(shape.dim, shape.hidden), lay.Slot(shape.dim, 1)]
+    total = sum(s.numel for s in slots)
+    parts = []
+    for g in lay.GRANULARITIES:
+        plan = lay.plan(slots, world, 4, g)
+        held = plan.rank_numel()
+        parts.append(f"{g}: max/mean bytes per rank {max(held) / (total / world):.3f}, "
+                     f"padding {100 * (plan.numel - total) / total:.2f}%")
+    return f"   layout of a block unit over {world} rank(s): " + "; ".join(parts)
+
+
 def _is_bf16(setting: str) -> bool:
     return setting.startswith("bf16")
 
@@ -493,6 +522,7 @@ def shape_report(shape: Shape, summary: dict, meta: dict,
         f"{meta['warmup']} warmup + {meta['steps']} timed steps x {meta['repeats']} repeat(s), "
         f"AdamW",
     ]
+    lines.append(layout_line(shape, meta["world"]))
     mem_name = "peak MiB" + (" RSS" if meta["backend"] == "gloo" else " cuda")
     head = (f"   {'impl':<13} {'step ms':>9} {'[min..max]':>17} {'fwd/bwd/opt ms':>20} "
             f"{'CPU ms':>8} {mem_name:>13} {'(+MiB)':>7} {'final loss':>11} {'ours/x time':>11} "

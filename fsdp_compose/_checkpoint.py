@@ -2,27 +2,32 @@
 
 [Note: checkpoint boxes]
 While sharded, rank r holds the flat range ``local_range = [a, b)`` of each
-parameter's row-major flattening (see ``_flat_group.py``). A flat range of a
-row-major tensor is a union of at most ``2·ndim - 1`` *boxes* (n-D
-rectangles): a partial innermost row, partial rows of the next dimension up,
-..., a block of whole rows of dim 0, and the mirror image at the end. Each box
-is contiguous in memory, so it is a ``view`` of the local shard:
-``shard[s:s+n].view(box_sizes)``.
+parameter's row-major flattening (see ``_flat_group.py``), which is a block
+of whole dim-0 rows ([Note: shard layout] in _layout.py): ONE *box* (n-D
+rectangle), a ``view`` of the local shard: ``shard[s:s+n].view(box_sizes)``.
+(The box code takes any flat range: a flat range of a row-major tensor is a
+union of at most ``2·ndim - 1`` boxes, a partial innermost row, partial rows
+of the next dimension up, ..., a block of whole rows of dim 0, and the mirror
+image at the end; each is contiguous in memory.)
 
 ``model.state_dict()`` therefore returns, for each sharded parameter, a
 ``ShardedTensor`` of the parameter's global shape whose local shards are those
 box views, and whose global metadata (every rank's boxes) each rank computes
 alone from the layout: rank r's range of an entry is the intersection of
-``[offset, offset + numel)`` with ``[r·S, (r+1)·S)``. No collective; DCP saves
+``[offset, offset + numel)`` with ``[r·S, (r+1)·S)`` (every parameter is
+contiguous in the unsharded flat). No collective; DCP saves
 the boxes and reshards on load (it reads, for each of our boxes, the parts of
 the saved chunks that overlap it, directly into the view, i.e. the shard).
 Why ShardedTensor and not DCP's tensor-subclass protocol: see docs/design.md.
 
-Optimizer state tensors that have the parameter's (local, 1-D) shape get the
-same treatment, keyed by the parameter's FQN like
-``torch.distributed.checkpoint.state_dict``. (At world size 1 a parameter and
-its state may be full-shape, see [Note: world size 1] in _flat_group.py; they
-are flattened with ``view(-1)`` first, which is the same piece.)
+Optimizer state tensors that have the parameter's (local, row piece) shape get
+the same treatment, keyed by the parameter's FQN like
+``torch.distributed.checkpoint.state_dict``; they are flattened with
+``view(-1)`` first, which is the same piece. A rank keeps no optimizer state
+for a parameter it holds no rows of ([Note: empty pieces] in _flat_group.py),
+so the ranks' optimizer state dicts may hold different FQNs; DCP merges them
+(tested), and full state dicts merge them with one object all-gather per flat
+group (``_merged_state_info``).
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ def flat_boxes(shape: Iterable[int], start: int, end: int) -> list[tuple[tuple, 
 
 
 def _box_views(shape, local_range, local: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
-    """This rank's boxes of a parameter, as views of ``local`` (its 1-D piece)."""
+    """This rank's boxes of a parameter, as views of ``local`` (its piece, flattened)."""
     out, pos = [], 0
     for o, s in flat_boxes(shape, *local_range):
         n = math.prod(s)
@@ -390,7 +395,8 @@ def _full_param_values(model: nn.Module, keep: bool, cpu_offload: bool) -> dict:
 def _is_sharded_state(v: Any, p: torch.Tensor) -> bool:
     """An optimizer state tensor with the sharded parameter's shape is per-element
     state (exp_avg ...); anything else (step, scalars) is taken as replicated.
-    (A sharded parameter is 1-D, or full-shape with >= 1 dim at world size 1.)"""
+    (A sharded parameter is a row piece (the full shape at world size 1); a 0-d
+    parameter's piece is 1-D, so its 0-d ``step`` is not mistaken for it.)"""
     return (isinstance(v, torch.Tensor) and not _compat.is_sharded_tensor(v) and v.dim() >= 1
             and v.shape == p.shape)
 

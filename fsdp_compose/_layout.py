@@ -38,6 +38,7 @@ pieces start aligned in its shard.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -99,10 +100,21 @@ class Layout:
                 out.append(Piece(i, (a, b), start - rank * self.chunk))
         return out
 
+    @functools.cached_property
+    def _rank_numel(self) -> tuple[int, ...]:
+        held = [0] * self.world
+        for s, off in zip(self.slots, self.offsets):
+            at, end = off, off + s.numel
+            while at < end:  # the chunks it lies in
+                r = at // self.chunk
+                stop = min(end, (r + 1) * self.chunk)
+                held[r] += stop - at
+                at = stop
+        return tuple(held)
+
     def rank_numel(self) -> tuple[int, ...]:
         """Elements (padding excluded) each rank holds."""
-        return tuple(sum((p.rows[1] - p.rows[0]) * self.slots[p.entry].row_numel
-                         for p in self.pieces(r)) for r in range(self.world))
+        return self._rank_numel
 
 
 def _ceil_to(n: int, k: int) -> int:

@@ -37,10 +37,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
                     norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients in place by their global norm; return that norm (a plain tensor).
 
-    Works for any mix of parameters sharded by ``fully_shard`` (1-D, HSDP,
-    tensor-parallel inside units), DTensor parameters, and plain replicated
-    parameters. Padding is in no parameter, so it never counts. Every rank
-    must pass the same parameters (as ``model.parameters()`` gives).
+    Works for any mix of parameters sharded by ``fully_shard`` (row or tensor
+    granularity, HSDP, tensor-parallel inside units), DTensor parameters, and
+    plain replicated parameters. The ranks' pieces of a parameter partition
+    its elements (a rank holding none of it has no ``p.grad``), and padding is
+    in no parameter, so every element counts once. Every rank must pass the
+    same parameters (as ``model.parameters()`` gives).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)

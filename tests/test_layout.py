@@ -41,6 +41,8 @@ def _check(layout: Layout, align: int) -> None:
         assert e0 <= s1, spans
     for r in range(W):
         pieces = layout.pieces(r)
+        assert layout.rank_numel()[r] == sum((p.rows[1] - p.rows[0]) * slots[p.entry].row_numel
+                                             for p in pieces)
         end = 0
         for p in pieces:
             s = slots[p.entry]

@@ -342,7 +342,8 @@ def bucketed(rank, world):
     return results
 
 
-def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3):
+def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3,
+                granularity="row"):
     """Ours vs torch FSDP2 under the same policies: losses and parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -354,7 +355,7 @@ def _fsdp2_pair(rank, world, policy, norm_policy, accumulate=False, rtol=1e-3):
     root_policy = dataclass_replace(policy, output_dtype=torch.float32)
     for m, p in [*[(layer, policy) for layer in ours.layers], (ours.norm, norm_policy),
                  (ours, root_policy)]:
-        fully_shard(m, mesh=mesh, mp_policy=p)
+        fully_shard(m, mesh=mesh, mp_policy=p, shard_granularity=granularity)
     for m, p in [*[(layer, policy) for layer in theirs.layers], (theirs.norm, norm_policy),
                  (theirs, root_policy)]:
         torch_fully_shard(m, mesh=mesh, mp_policy=TorchMP(**p.__dict__))
@@ -426,6 +427,31 @@ def bf16_accumulate_vs_fsdp2(rank, world):
     return problems
 
 
+def tensor_granularity(rank, world):
+    """shard_granularity="tensor" (each parameter whole on one rank) under the
+    policies: default buckets, per unit, offload, HSDP with a skipped
+    all-reduce, reshard_after_forward=2, and bf16 against FSDP2."""
+    tensor = {"shard_granularity": "tensor"}
+    runs = [("buckets", {}), ("per_unit", {"per_unit": True}),
+            ("offload", {"model_kw": dict(tensor, offload_policy=CPUOffloadPolicy())})]
+    if world == 4:
+        runs.append(("raf2", {"model_kw": dict(tensor, reshard_after_forward=2)}))
+    if world > 1:
+        def each(model, k, micro):
+            model.set_requires_all_reduce(k == micro - 1)
+
+        for shape in {2: [(2, 1), (1, 2)], 4: [(2, 2)]}[world]:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
+            runs.append((f"hsdp {shape}", {"mesh": mesh, "micro": 2, "each_micro": each}))
+    results = []
+    for tag, kw in runs:
+        kw.setdefault("model_kw", tensor)
+        problems, _ = _fp32_parity(rank, world, **kw)
+        results += [f"{tag}: {p}" for p in problems]
+    problems, _ = _fsdp2_pair(rank, world, BF16_FP32, FP32_NORM, granularity="tensor")
+    return results + [f"bf16 vs FSDP2: {p}" for p in problems]
+
+
 def bf16_offload(rank, world):
     """bf16 + offload equals bf16 without offload, bitwise."""
     torch.manual_seed(0)
@@ -451,7 +477,8 @@ def bf16_offload(rank, world):
 
 SCENARIOS = {f.__name__: f for f in [
     offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward, no_overlap, bucketed,
-    bf16_vs_fsdp2, bf16_reduce_vs_fsdp2, bf16_accumulate_vs_fsdp2, bf16_offload]}
+    bf16_vs_fsdp2, bf16_reduce_vs_fsdp2, bf16_accumulate_vs_fsdp2, bf16_offload,
+    tensor_granularity]}
 
 
 def _run_all(rank, world):
