@@ -109,7 +109,7 @@ class ParamEntry:
     rows: tuple[int, int]           # the dim-0 rows this rank holds ((0, 0): none)
     local_range: tuple[int, int]    # the same, as a slice of param.flatten()
     shard_range: tuple[int, int]    # the same elements' place in the local shard
-    whole: bool                     # this rank's piece is all of it (always at world size 1)
+    whole: bool                     # this rank's piece is all of it (see holds_whole)
     sharded: nn.Parameter = None    # view of the local shard, shaped ``piece_shape``
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
@@ -132,7 +132,8 @@ class ParamEntry:
 
     def holds_whole(self) -> bool:
         """This rank's piece is the whole parameter, or the group does not
-        shard (world size 1)."""
+        shard (world size 1). Never for a DTensor parameter whose placements
+        are not all ``Replicate``: the flat group holds its local TP shard."""
         return self.whole
 
     def is_empty(self) -> bool:
@@ -210,7 +211,10 @@ class FlatGroup:
             shard_start = off + a * k - rank * S
             tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
                   if isinstance(p, DTensor) else None)
-            whole = world == 1 or (b - a == layout.slots[i].rows)
+            # (a DTensor that TP does not replicate is never whole here: its
+            # piece is at most its local TP shard)
+            whole = ((world == 1 or b - a == layout.slots[i].rows)
+                     and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
             entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
                                       (shard_start, shard_start + (b - a) * k) if b > a else (0, 0),
                                       whole, tp=tp))

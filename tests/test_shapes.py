@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp_compose
 from fsdp_compose import fully_shard, param_info
+from fsdp_compose._fully_shard import _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece
@@ -128,6 +129,12 @@ def _shapes(granularity, rank, world) -> list[str]:
             bad.append(f"{name}: granularity {info.granularity}")
         if len(info.rank_bytes) != world:
             bad.append(f"{name}: rank_bytes {info.rank_bytes} for {world} ranks")
+        e = _SHARDED[p][1]  # the predicates the optimizer checks read
+        n_rows = r.shape[0] if r.ndim else 1
+        if e.holds_whole() != (world == 1 or info.rows == (0, n_rows)):
+            bad.append(f"{name}: holds_whole() {e.holds_whole()} with rows {info.rows}")
+        if e.is_empty() != (info.rows[0] == info.rows[1]):
+            bad.append(f"{name}: is_empty() {e.is_empty()} with rows {info.rows}")
         rows[name] = info.rows
         infos[name] = info.rank_bytes
     if world > 1:

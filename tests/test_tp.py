@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from fsdp_compose import clip_grad_norm_, fully_shard, param_info
+from fsdp_compose._fully_shard import _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece
@@ -138,6 +139,10 @@ def _train(rank, world, dp, tp, sequence_parallel):
     n_tp = sum(param_info(p).placements is not None for p in model.parameters())
     if tp > 1 and n_tp == 0:
         problems.append("no tensor-parallel parameter in the units")
+    for name, p in model.named_parameters():  # a TP shard is never a whole matrix
+        pl = param_info(p).placements
+        if pl and not all(x.is_replicate() for x in pl) and _SHARDED[p][1].holds_whole():
+            problems.append(f"{name} ({pl}): holds_whole() on a TP shard")
 
     def compare(what, step):
         for name, p in model.named_parameters():
