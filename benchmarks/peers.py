@@ -35,6 +35,12 @@ to every implementation that has them, skipped (and said so) for the others:
                 on the first 3); one optimizer step. fwd/bwd ms are summed over
                 the microbatches.
   bf16-offload  bf16 and offload together
+  muon          torch.optim.Muon over the 2-D weights (lr 0.02) and AdamW over
+                the rest, the same optimizers on every implementation;
+                fsdp_compose with ``shard_granularity="tensor"`` (each matrix
+                whole on one rank: Newton-Schulz runs on one rank, exactly),
+                FSDP2 on its DTensor shards; not FSDP1 (its 1-D flat views
+                are not matrices). Loss checked against DDP.
 Several settings run in one invocation with the launches alternating over
 settings and implementations (fp32: A B C, bf16: A B C, ..., then the next
 repeat), so ratios within one run are comparable; one table per (shape,
@@ -105,7 +111,7 @@ LR = 1e-3
 
 # --setting: the same training configuration applied to every implementation
 # that has it (fsdp_compose and FSDP2 have all of them).
-SETTINGS = ["fp32", "bf16", "offload", "accum", "bf16-offload"]
+SETTINGS = ["fp32", "bf16", "offload", "accum", "bf16-offload", "muon"]
 SETTING_WHAT = {
     "fp32": "fp32 parameters, gradients and collectives",
     "bf16": "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); FSDP1 "
@@ -114,11 +120,14 @@ SETTING_WHAT = {
     "accum": "4 microbatches per step (the per-rank batch split in 4, loss / 4), "
              "set_requires_gradient_sync(False) on the first 3; DDP/FSDP1: no_sync()",
     "bf16-offload": "bf16 and offload together",
+    "muon": "torch.optim.Muon (2-D weights, lr 0.02) + AdamW (the rest); fsdp_compose "
+            "shard_granularity='tensor', FSDP2 on DTensor shards",
 }
 SUPPORTED = {  # implementation -> settings it runs (the others are skipped)
-    "fsdp_compose": set(SETTINGS), "fsdp2": set(SETTINGS), "fsdp1": set(SETTINGS),
-    "ddp": {"fp32", "bf16", "accum"}, "local": {"fp32", "bf16", "accum"},
+    "fsdp_compose": set(SETTINGS), "fsdp2": set(SETTINGS), "fsdp1": set(SETTINGS) - {"muon"},
+    "ddp": {"fp32", "bf16", "accum", "muon"}, "local": {"fp32", "bf16", "accum", "muon"},
 }
+MUON_LR = 0.02
 # Not on the gloo CPU path (this script's own ranks): FSDP1's CPUOffload pins
 # its shards unconditionally, which raises without an accelerator.
 CPU_UNSUPPORTED = {("fsdp1", "offload"): "CPUOffload pins memory: needs an accelerator",
@@ -208,6 +217,8 @@ def _wrap(impl: str, model, world: int, device, setting: str = "fp32"):
                                                    reduce_dtype=torch.float32)
         if offload:  # pinning needs an accelerator (torch's CPUOffloadPolicy raises without)
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if setting == "muon" and impl == "fsdp_compose":
+            kw["shard_granularity"] = "tensor"
         mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, **kw)
@@ -231,6 +242,30 @@ def _wrap(impl: str, model, world: int, device, setting: str = "fp32"):
     raise ValueError(impl)
 
 
+class _Optims:
+    """Several optimizers stepped as one."""
+
+    def __init__(self, optims):
+        self.optims = optims
+
+    def step(self):
+        for o in self.optims:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.optims:
+            o.zero_grad()
+
+
+def _make_optim(model, setting: str):
+    import torch
+    if setting != "muon":
+        return torch.optim.AdamW(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    return _Optims([torch.optim.Muon([p for p in params if p.ndim == 2], lr=MUON_LR),
+                    torch.optim.AdamW([p for p in params if p.ndim != 2], lr=LR)])
+
+
 def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
     """One launch of one implementation on this rank; returns this rank's numbers."""
     import torch
@@ -250,7 +285,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
 
     model = build_model(shape, cfg["seed"], device)
     model = _wrap(impl, model, world, device, setting)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    optim = _make_optim(model, setting)
     warmup, steps = cfg["warmup"], cfg["steps"]
     profile_steps = cfg.get("profile_steps", 0)
     n_total = warmup + steps + profile_steps

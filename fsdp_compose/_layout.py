@@ -157,16 +157,25 @@ def _fill(slots: tuple[Slot, ...], align: int, chunk: int) -> tuple[list[int], i
     return offsets, pos, need
 
 
+_LINEAR_TRIES = 256
+
+
 def _row_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:
     total = sum(_ceil_to(s.numel, align) for s in slots)
     chunk = max(align, _ceil_to(-(-total // world), align))
+    tries = 0
     while True:
         offsets, end, need = _fill(slots, align, chunk)
+        tries += 1
         # The next candidate: the next multiple of the alignment (a multiple of
-        # ``need`` may not be the smallest size that works), or, when the
-        # parameters did not fit, the size at which this fill's end would.
+        # ``need`` may not be the smallest size that works), or, after
+        # _LINEAR_TRIES of those, the next multiple of ``need`` (a row size
+        # of tens of thousands of elements would otherwise take that many
+        # fills); when the parameters did not fit, the size at which this
+        # fill's end would.
         if need > 1:
-            chunk += align
+            chunk = (chunk + align if tries < _LINEAR_TRIES
+                     else _ceil_to(chunk + 1, math.lcm(align, need)))
         elif end > world * chunk:
             chunk = max(chunk + align, _ceil_to(-(-end // world), align))
         else:

@@ -154,3 +154,16 @@ def test_random_groups(granularity):
         lay = plan(slots, W, align, granularity)
         _check(lay, align)
         assert lay.chunk <= _bound(slots, W, align, granularity), (slots, W, align, lay.chunk)
+
+
+def test_large_odd_rows_plan_quickly():
+    # a 768 x 50257 matrix spans several chunks over 8 ranks, so the chunk is a
+    # multiple of 50257: the search jumps there instead of stepping by 4
+    # (12,000 fills of 200 parameters: seconds)
+    import time
+    slots = [Slot(768, 50257)] + [Slot(768, 1)] * 200
+    t0 = time.perf_counter()
+    lay = plan(slots, 8, 4)
+    assert time.perf_counter() - t0 < 1.0
+    _check(lay, 4)
+    assert lay.chunk % 50257 == 0
