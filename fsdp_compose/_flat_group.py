@@ -146,6 +146,41 @@ class ParamEntry:
         return self.is_empty() and not self.whole
 
 
+def _entries(params: list, locals_: list, layout: _layout.Layout, rank: int) -> list[ParamEntry]:
+    """This rank's ParamEntry of every parameter, from the group's layout."""
+    S = layout.chunk
+    entries = []
+    for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
+        a, b = layout.rows_on(i, rank)
+        k, off = layout.slots[i].row_numel, layout.offsets[i]
+        start = off + a * k - rank * S  # in the shard
+        tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+              if isinstance(p, DTensor) else None)
+        # (a DTensor that TP does not replicate is never whole here: its piece
+        # is at most its local TP shard)
+        whole = ((layout.world == 1 or b - a == layout.slots[i].rows)
+                 and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
+        entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
+                                  (start, start + (b - a) * k) if b > a else (0, 0), whole, tp=tp))
+    return entries
+
+
+def _split_plan(layout: _layout.Layout) -> tuple[list[int], list[int]]:
+    """The unsharded flat split into the parameters (in flat order) and the
+    padding between them: (split sizes, index of each parameter's piece). One
+    split, one view per parameter (see ``refresh_views``)."""
+    sizes, view_at, at = [], [0] * len(layout.slots), 0
+    for i in sorted(range(len(layout.slots)), key=layout.offsets.__getitem__):
+        if layout.offsets[i] > at:
+            sizes.append(layout.offsets[i] - at)  # padding
+        view_at[i] = len(sizes)
+        sizes.append(layout.slots[i].numel)
+        at = layout.offsets[i] + layout.slots[i].numel
+    if layout.numel > at:
+        sizes.append(layout.numel - at)  # tail padding
+    return sizes, view_at
+
+
 @dataclass
 class _GradLaunch:
     """A reduce-scatter in flight, and how to fold its output into p.grad."""
@@ -202,34 +237,9 @@ class FlatGroup:
              for t in locals_], world, align, granularity)
         self.granularity = granularity
         self.padded_numel = layout.numel
-        self.shard_numel = S = layout.chunk
-        entries = []
-        for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
-            a, b = layout.rows_on(i, rank)
-            k = layout.slots[i].row_numel
-            off = layout.offsets[i]
-            shard_start = off + a * k - rank * S
-            tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
-                  if isinstance(p, DTensor) else None)
-            # (a DTensor that TP does not replicate is never whole here: its
-            # piece is at most its local TP shard)
-            whole = ((world == 1 or b - a == layout.slots[i].rows)
-                     and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
-            entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
-                                      (shard_start, shard_start + (b - a) * k) if b > a else (0, 0),
-                                      whole, tp=tp))
-        self.entries: list[ParamEntry] = entries
-        # The unsharded flat split into the parameters (in flat order) and the
-        # padding between them: one split, one view per parameter.
-        split_sizes, view_at, at = [], [0] * len(entries), 0
-        for i in sorted(range(len(entries)), key=layout.offsets.__getitem__):
-            if layout.offsets[i] > at:
-                split_sizes.append(layout.offsets[i] - at)  # padding
-            view_at[i] = len(split_sizes)
-            split_sizes.append(entries[i].numel)
-            at = layout.offsets[i] + entries[i].numel
-        if self.padded_numel > at:
-            split_sizes.append(self.padded_numel - at)  # tail padding
+        self.shard_numel = layout.chunk
+        self.entries: list[ParamEntry] = _entries(params, locals_, layout, rank)
+        self._split_sizes, self._view_at = _split_plan(layout)
         # [Note: world size 1] Every rank holds every element, so a sharded
         # Parameter's piece is the whole parameter, in its own shape (a 0-dim
         # one is 1-D: see ``piece_shape``). When there is also nothing to
@@ -239,16 +249,15 @@ class FlatGroup:
         # gradient, no hooks (see Unit.passive). Not for 0-dim parameters: their
         # piece is 1-D (a 0-dim exp_avg would look like a replicated scalar
         # such as ``step`` in optimizer state), so it cannot be the leaf itself.
-        self.direct = (world == 1 and all(e.tp is None and len(e.shape) > 0 for e in entries)
+        self.direct = (world == 1 and all(e.tp is None and len(e.shape) > 0 for e in self.entries)
                        and self.replicas == 1
                        and not self._copies_in and self.reduce_dtype == self.dtype
                        and post_forward is None)
-        self._split_sizes, self._view_at = split_sizes, view_at
 
         self._grad_hook = None
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
-            for e, (p, _, _), local in zip(entries, params, locals_):
+            for e, (p, _, _), local in zip(self.entries, params, locals_):
                 e.sharded.__dict__.update(p.__dict__)  # user attributes survive
                 if not local.is_meta and e.local_range[1] > e.local_range[0]:
                     src = local.detach().reshape(-1)[slice(*e.local_range)]
