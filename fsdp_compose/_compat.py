@@ -133,8 +133,10 @@ def outside_functorch(fn: Callable) -> Callable:
     a transform such as ``torch.func.grad`` runs inside its own backward."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with functorch_disabled():
-            return fn(*args, **kwargs)
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     return run
 
 

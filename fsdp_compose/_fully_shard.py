@@ -73,6 +73,14 @@ class FSDPModule:
         _after_apply(units)
         return out
 
+    def __deepcopy__(self, memo):
+        # (copy.deepcopy would otherwise fail on pickling a ProcessGroup)
+        raise unit_error(self._unit().fqn, "copy.deepcopy of a sharded module is not "
+                         "supported (as in FSDP2): the copy would share or lose the process "
+                         "groups, shards and hooks.", "Deepcopy the model before fully_shard (e.g. "
+                         "an EMA copy, then shard both), or build and shard a new model and load "
+                         "fsdp_compose.get_state_dict(model, ...) into it.", exc=TypeError)
+
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this unit's parameters and install full-shape views.
 

@@ -123,6 +123,7 @@ def _errors(rank, world):
     out["bucket_bool"] = _error(lambda: knobs.set_reduce_scatter_bucket_bytes(True))
     out["prefetch_not_sharded"] = _error(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
+    out["deepcopy"] = _error(lambda: copy.deepcopy(knobs))
     out["forward_method_missing"] = _error(
         lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
 
@@ -171,6 +172,7 @@ def errors():
     ("bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
+    ("deepcopy", "TypeError", ["unit '<root>'", "copy.deepcopy", "before fully_shard"]),
     ("root_setting_before_init", "ValueError",
      ["unit 'layers.1'", "set_prefetch_depth() was called", "not the root", "would be ignored",
       "model.set_prefetch_depth(...)"]),
