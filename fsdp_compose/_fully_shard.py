@@ -287,14 +287,16 @@ def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
 
 
 def _after_apply(units: list[Unit]) -> None:
-    rebuilt = [u for u in units if _adopt_unit(u)]
+    try:
+        rebuilt = [u for u in units if _adopt_unit(u)]
+    finally:
+        _register_sharded(units)
     for ctx in {id(u.ctx): u.ctx for u in rebuilt if u.ctx is not None}.values():
         for v in ctx.units:  # lazy init again at the next forward
             v.ctx = None
             if not v.hook_handles:  # a passive unit's, removed by lazy init
                 for m in v.modules:
                     _add_forward_hooks(v, m)
-    _register_sharded(units)
 
 
 def _adopt_unit(u: Unit) -> bool:

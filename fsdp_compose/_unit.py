@@ -169,9 +169,10 @@ class Unit:
             trace("pre_forward_recompute", self.fqn, self.state.name)
             if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
                 self._uses_seen += 1
-            ctx.unshard_for_backward(self)
-            self._refresh_views()
-            self.wait_for_unshard()
+            with _compat.functorch_disabled():
+                ctx.unshard_for_backward(self)
+                self._refresh_views()
+                self.wait_for_unshard()
             return self._cast(self._cast_inputs, (args, kwargs))
         if self._forward_depth == 0:
             if self.is_root:
