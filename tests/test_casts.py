@@ -207,8 +207,10 @@ def mp_policy_keeps_compute_dtype(rank, world):
 
 
 def mp_model_cast_to_param_dtype(rank, world):
-    """Cast to the policy's param_dtype: nothing is cast per step any more (at
-    world size 1 the groups become direct); then to another dtype and back."""
+    """The master cast away from the policy's param_dtype and back: at world
+    size 1 the units start passive (direct groups, forward hooks removed at
+    lazy init), need their hooks again to compute in fp32 from a bf16 master,
+    and are passive again after .float()."""
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
     m, ref = built(4, mp_policy=mp)
     bad = train(m, ref, range(1), rank, world, torch.float32, 1e-5)  # lazy init ran
