@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard, get_state_dict, param_info
+from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, param_info,
+                          record_schedule)
 
 from ._dist import run_distributed
 
@@ -217,7 +218,15 @@ def mp_model_cast_to_param_dtype(rank, world):
     m.to(torch.bfloat16)   # master bf16, computes in fp32: units with a cast again
     seen = weight_dtypes(m)
     ref32 = copy.deepcopy(ref).to(torch.bfloat16).float()
-    backward(m, ref32, 1, rank, world, torch.float32)
+    with record_schedule() as cast_after:
+        backward(m, ref32, 1, rank, world, torch.float32)
+    # the same schedule as a model cast before fully_shard (lazy init ran again)
+    torch.manual_seed(4)
+    fresh = shard(Net().to(torch.bfloat16), mp_policy=mp)
+    with record_schedule() as cast_before:
+        backward(fresh, copy.deepcopy(ref32), 1, rank, world, torch.float32)
+    if cast_after != cast_before:
+        bad.append(f"schedule after the cast {cast_after} != cast before {cast_before}")
     if not seen or set(seen) != {torch.float32}:
         bad.append(f"bf16 master computed with {set(seen)}")
     for p, r in zip(m.parameters(), ref32.parameters()):
