@@ -323,7 +323,8 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
             continue
         if g.device.type == "meta":
             error_msgs.append(_msg(key, "the model's parameters are on the meta device; call "
-                                   "fsdp_compose.materialize(model) before loading."))
+                                   "model.to_empty(device=...) (or fsdp_compose.materialize("
+                                   "model)) before loading."))
             sd[key] = e.sharded
             continue
         if module._parameters.get(name) is not e.sharded:  # full-shape views installed
@@ -353,7 +354,8 @@ def _gather(g, local: torch.Tensor) -> torch.Tensor:
     """All-gather a shard-shaped tensor of group ``g`` into the padded flat layout."""
     if g.device.type == "meta":
         raise RuntimeError(_msg(g.entries[0].fqn, "parameters are on the meta device; call "
-                                "fsdp_compose.materialize(model) first."))
+                                "fsdp_compose.materialize(model) (or model.to_empty(device=...) "
+                                "and load them) first."))
     if g.world == 1:
         return local
     src = local if local.device == g.device else local.to(g.device)
@@ -621,8 +623,8 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
     if cpu_offload:
         msd = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in msd.items()}
     osd = _merge([_optim_state_dict(model, o, fqns, ov) for o, ov in zip(optims, optim_values)])
-    if cpu_offload:
-        for st in osd["state"].values():
+    if cpu_offload:  # (no optimizers: osd is {})
+        for st in osd.get("state", {}).values():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     st[k] = v.cpu()

@@ -42,6 +42,13 @@ def unit_error(fqn: str, what: str, fix: str = "", exc=RuntimeError) -> Exceptio
     return exc(msg)
 
 
+# What to do about parameters still on the meta device (README, "Building on the meta device").
+META_FIX = ("Build on the meta device, fully_shard, then give the shards storage before the "
+            "first forward: fsdp_compose.materialize(model) (initialises them as eager "
+            "construction would), or model.to_empty(device=...) followed by loading a state dict "
+            "or initialising them; see the README, 'Building on the meta device'.")
+
+
 def root_setting_fix(where: str) -> str:
     """What to do when a root-only setter was called on another unit."""
     return (f"Call {where}() on the root module (the one fully_shard was applied to "

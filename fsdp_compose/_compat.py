@@ -4,6 +4,11 @@ Everything else in the package uses public torch APIs only.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -49,19 +54,90 @@ def profiler_enabled() -> bool:
 
 
 def tree_leaves(tree: Any) -> list:
-    """Flatten outputs (tuples, dicts, dataclasses, HF ModelOutput ...) to leaves.
+    """Flatten outputs (tuples, dicts, NamedTuples, HF ModelOutput ...) to leaves.
 
     Why private: ``torch.utils._pytree`` is the registry every torch and HF
     container type registers with; there is no public flattener with that
-    coverage in torch 2.13.
+    coverage in torch 2.13. What it leaves whole (a dataclass, a dict, list or
+    tuple subclass nobody registered) is opened here (``_children``): a tensor
+    inside one must get its pre-backward hook too.
     """
-    return _pytree.tree_leaves(tree)
+    out = []
+    for leaf in _pytree.tree_leaves(tree):
+        kids = None if isinstance(leaf, torch.Tensor) else _children(leaf)
+        if kids is None:
+            out.append(leaf)
+        else:
+            out.extend(tree_leaves(kids))
+    return out
+
+
+def _children(x: Any) -> list | None:
+    """The items of a container torch's pytree does not know, or None."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [getattr(x, f.name) for f in dataclasses.fields(x)]
+    if isinstance(x, Mapping):
+        return list(x.values())
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return None
 
 
 def tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every tensor leaf (mixed-precision casts of
-    forward inputs and outputs); same registry as ``tree_leaves``, same reason."""
-    return _pytree.tree_map_only(torch.Tensor, fn, tree)
+    forward inputs and outputs); same registry as ``tree_leaves``, same reason.
+    An unregistered dataclass or dict subclass is rebuilt around the mapped
+    values (``dataclasses.replace`` / a shallow copy); other objects are left
+    as they are."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = dataclasses.fields(x)
+            new = dataclasses.replace(x, **{f.name: tree_map_tensors(fn, getattr(x, f.name))
+                                            for f in fields if f.init})
+            for f in fields:
+                if not f.init:
+                    object.__setattr__(new, f.name, tree_map_tensors(fn, getattr(x, f.name)))
+            return new
+        if isinstance(x, dict):
+            new = copy.copy(x)
+            for k, v in x.items():
+                new[k] = tree_map_tensors(fn, v)
+            return new
+        return x
+
+    return _pytree.tree_map(leaf, tree)
+
+
+def functorch_disabled():
+    """A context in which functorch transforms (``torch.func.jvp``, ``vmap`` ...)
+    do not intercept tensor operations; a no-op when none is active.
+
+    The hooks all-gather into, view, free and swap the unit's own buffers,
+    which are not inputs of the function being transformed; under a transform
+    every operation's result is wrapped (the all-gather then addresses a
+    wrapper without storage). Why private: torch has no public way out of a
+    transform; FSDP2 wraps its unshard / reshard in the same guard.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()
+    return _NULL
+
+
+_NULL = contextlib.nullcontext()
+
+
+def outside_functorch(fn: Callable) -> Callable:
+    """``fn`` run under ``functorch_disabled()``: for the backward hooks, which
+    a transform such as ``torch.func.grad`` runs inside its own backward."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 # --------------------------------------------------------------------------

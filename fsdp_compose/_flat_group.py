@@ -59,7 +59,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _layout
-from ._common import ShardedState, unit_error
+from ._common import META_FIX, ShardedState, unit_error
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
@@ -211,10 +211,6 @@ class FlatGroup:
                  granularity: str = "row"):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
-        self.dtype: torch.dtype = first.dtype  # of the shard: the master copy
-        floating = self.dtype.is_floating_point
-        self.compute_dtype = param_dtype if (param_dtype and floating) else self.dtype
-        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.compute_dtype
         self.requires_grad: bool = first.requires_grad
         self.world, self.rank = world, rank
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
@@ -223,8 +219,9 @@ class FlatGroup:
         self.requires_all_reduce = True   # HSDP: False keeps a partial sum, no all-reduce
         self.post_forward = post_forward
         self.offload, self.pin_memory = offload, pin_memory
-        # one pass (cast and/or host-to-device) into flat's own chunk before the all-gather
-        self._copies_in = self.compute_dtype != self.dtype or offload
+        self.mesh_device = device  # where fully_shard put it (the flat's device with offload)
+        self._policy_dtypes = (param_dtype, reduce_dtype)  # the unit's mp_policy, or Nones
+        self._set_dtype(first.dtype)
         self.unit_fqn = unit_fqn
         self.state = ShardedState.SHARDED
         self._views_installed = False  # the modules hold the full-shape views
@@ -249,10 +246,7 @@ class FlatGroup:
         # gradient, no hooks (see Unit.passive). Not for 0-dim parameters: their
         # piece is 1-D (a 0-dim exp_avg would look like a replicated scalar
         # such as ``step`` in optimizer state), so it cannot be the leaf itself.
-        self.direct = (world == 1 and all(e.tp is None and len(e.shape) > 0 for e in self.entries)
-                       and self.replicas == 1
-                       and not self._copies_in and self.reduce_dtype == self.dtype
-                       and post_forward is None)
+        self.direct = self._can_be_direct()
 
         self._grad_hook = None
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
@@ -271,9 +265,30 @@ class FlatGroup:
         self._partial: torch.Tensor | None = None    # HSDP: reduce-scattered, not all-reduced
         self.unsharded_version = -1                  # shard._version when last gathered
 
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        """The shard's dtype (the master copy) and what follows from it."""
+        param_dtype, reduce_dtype = self._policy_dtypes
+        self.dtype = dtype
+        floating = dtype.is_floating_point
+        self.compute_dtype = param_dtype if (param_dtype and floating) else dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.compute_dtype
+        # one pass (cast and/or host-to-device) into flat's own chunk before the all-gather
+        self._copies_in = self.compute_dtype != dtype or self.offload
+
+    def _can_be_direct(self) -> bool:
+        """See [Note: world size 1]."""
+        return (self.world == 1 and all(e.tp is None and len(e.shape) > 0 for e in self.entries)
+                and self.replicas == 1 and not self._copies_in and self.reduce_dtype == self.dtype
+                and self.post_forward is None)
+
     # ------------------------------------------------------------- storage
-    def _allocate(self, device: torch.device) -> None:
-        """(Re)create the shard, the sharded Parameters and the unsharded flat on ``device``."""
+    def _allocate(self, device: torch.device, params: list | None = None) -> None:
+        """(Re)create the shard, the sharded Parameters and the unsharded flat on ``device``.
+
+        ``params``: keep these Parameter objects (one per entry) as the sharded
+        Parameters: their values are copied into the new shard, then their
+        ``.data`` becomes their piece of it (see ``adopt_params``).
+        """
         self.device = device
         meta = device.type == "meta"
         self.shard_device = torch.device("cpu") if self.offload and not meta else device
@@ -281,8 +296,16 @@ class FlatGroup:
         if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
             shard = shard.pin_memory()
         self.shard = shard
-        for e in self.entries:
-            e.sharded = nn.Parameter(e.piece(shard), requires_grad=self.requires_grad)
+        for i, e in enumerate(self.entries):
+            if params is None:
+                e.sharded = nn.Parameter(e.piece(shard), requires_grad=self.requires_grad)
+                continue
+            p = params[i]
+            with torch.no_grad():
+                if not meta and not p.is_meta and e.shard_range[1] > e.shard_range[0]:
+                    shard[slice(*e.shard_range)].copy_(p.detach().reshape(-1))
+                p.data = e.piece(shard)
+            e.sharded = p
         self._aliased = self.world == 1 and not self._copies_in
         if self._aliased:
             self.flat = shard.data  # alias, own version counter; never freed
@@ -315,6 +338,46 @@ class FlatGroup:
         for e, o in zip(self.entries, old):
             e.sharded.__dict__.update(o.__dict__)
         self.install_sharded()
+
+    def adopt_params(self, params: list) -> None:
+        """``nn.Module._apply`` (a cast, a move, ``to_empty``) changed the sharded
+        Parameters: their ``.data``, or the objects the modules hold (``params``,
+        one per entry, all of one dtype and device). See [Note: casts after
+        fully_shard] in _fully_shard.py.
+
+        A new shard in their dtype, on their device (on CPU with offload), holds
+        their values; they become views of it again. The compute and reduce
+        dtypes follow the new dtype unless the unit's mp_policy fixes them; the
+        unsharded flat is re-made (a new leaf: the unit registers its gradient
+        hook again); whether the group is direct is decided again. The layout
+        (offsets, padding, every rank's range) is kept. A gradient accumulated
+        without sync is cast along, as ``_apply`` casts ``p.grad``. Only while
+        SHARDED (the caller reshards first).
+        """
+        first = params[0]
+        flat_grad = self.flat.grad
+        self._set_dtype(first.dtype)
+        self.direct = self._can_be_direct()
+        device = first.device
+        if self.offload and device.type != "meta":
+            device = self.mesh_device  # the shard stays on CPU; the flat where it computes
+        self._grad_hook = None
+        self._grad_shard_ref = self._grad_view_refs = None  # p.grad was replaced by _apply
+        self._allocate(device, params)
+        self.install_sharded()
+        self.unsharded_version = -1
+        if flat_grad is not None and self.flat.requires_grad:
+            self.flat.grad = flat_grad.to(self.device, self.compute_dtype)
+        if self._unsynced is not None:
+            self._unsynced = self._unsynced.to(self.device, self.reduce_dtype)
+        if self._partial is not None:
+            self._partial = self._partial.to(self.device, self.reduce_dtype)
+
+    def forget_grad_views(self) -> None:
+        """Drop our weak references to the ``p.grad`` views (``torch.utils.swap_tensors``,
+        which ``_apply`` may use, refuses tensors that have weak references);
+        the next fold then adds into ``p.grad`` per parameter."""
+        self._grad_shard_ref = self._grad_view_refs = None
 
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:
@@ -368,8 +431,7 @@ class FlatGroup:
         if self.device.type == "meta":
             raise unit_error(self.unit_fqn,
                              f"parameters {[e.fqn for e in self.entries]} are on the meta device.",
-                             "Initialise them on a real device before calling fully_shard, or "
-                             "call fsdp_compose.materialize(model) after it.")
+                             META_FIX)
         if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
             pf = self.post_forward
             self._alloc_flat()

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import root_setting_fix, unit_error
+from ._common import TrainingState, root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._layout import GRANULARITIES
@@ -53,6 +53,34 @@ class FSDPModule:
                              exc=ValueError)
         unit.root_settings_called.add(where)
         return unit
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to`` / ``cuda`` / ``cpu`` / ``half`` / ``float`` / ``double`` /
+        ``to_empty`` ... after fully_shard cast or move the shards, as in FSDP2:
+        see [Note: casts after fully_shard]."""
+        global _APPLYING
+        if _APPLYING:  # inside an outer module's _apply, which adopts the result
+            return super()._apply(fn, recurse)
+        units = self._units(recurse)
+        _before_apply(units)
+        _APPLYING = True
+        try:
+            out = super()._apply(fn, recurse)
+        except BaseException:
+            _register_sharded(units)
+            raise
+        finally:
+            _APPLYING = False
+        _after_apply(units)
+        return out
+
+    def __deepcopy__(self, memo):
+        # (copy.deepcopy would otherwise fail on pickling a ProcessGroup)
+        raise unit_error(self._unit().fqn, "copy.deepcopy of a sharded module is not "
+                         "supported (as in FSDP2): the copy would share or lose the process "
+                         "groups, shards and hooks.", "Deepcopy the model before fully_shard (e.g. "
+                         "an EMA copy, then shard both), or build and shard a new model and load "
+                         "fsdp_compose.get_state_dict(model, ...) into it.", exc=TypeError)
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """All-gather this unit's parameters and install full-shape views.
@@ -199,6 +227,114 @@ def _units_of(modules, where: str) -> list[Unit]:
     return units
 
 
+# [Note: casts after fully_shard]
+# ``nn.Module._apply`` (behind ``to``, ``cuda``, ``cpu``, ``half``, ``double``,
+# ``float``, ``to_empty`` ...) replaces what each module's ``_parameters`` slot
+# holds: by default it sets ``p.data`` to ``fn(p)`` (the Parameter object stays,
+# but no longer views our shard); with
+# ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` it puts
+# a new Parameter in the slot; with ``set_swap_module_params_on_conversion(True)``
+# it swaps the object's contents (``torch.utils.swap_tensors``, which refuses
+# tensors with weak references). FSDP2 re-reads its sharded parameters after
+# ``_apply`` (``FSDPParam.reset_sharded_param``); so do we, per unit:
+# - before: every unit below the outermost module ``_apply`` runs on must be
+#   idle; in-flight reduce-scatters are folded, units resharded (the modules
+#   then hold the sharded Parameters), and, for swap_tensors, our weak
+#   references to the Parameters and their gradients are dropped;
+# - after: each group whose Parameters ``_apply`` changed (other object, dtype,
+#   device, or storage) gets a new shard built from them
+#   (``FlatGroup.adopt_params``), keeping the Parameter objects the modules now
+#   hold: an optimizer built after the cast steps the new shard. All of a
+#   group's Parameters must have changed alike, else the error names them (a
+#   module *inside* a unit was cast alone). Once any group of a unit changed,
+#   every group of it is re-made (their flats are new leaves) and the unit
+#   re-hooks them; the units' root context is dropped, so the next forward
+#   runs lazy init again (which groups are direct, passive units and
+#   ``reshard_after_forward`` at world size 1 may have changed).
+# Nested ``_apply`` calls (the children of the outermost module) only recurse.
+_APPLYING = False
+
+
+def _held(e) -> torch.Tensor:
+    m, name = e.slots[0]
+    return m._parameters[name]
+
+
+def _before_apply(units: list[Unit]) -> None:
+    for u in units:
+        if u.state is not TrainingState.IDLE:
+            raise unit_error(u.fqn, f"a cast or move (nn.Module._apply: to / cuda / half / "
+                             f"to_empty ...) inside forward or backward (state {u.state.name}).",
+                             "Cast or move the model between steps.")
+    for ctx in {id(u.ctx): u.ctx for u in units if u.ctx is not None}.values():
+        ctx.finish_in_flight()  # a reduce-scatter left in flight (set_is_last_backward(False))
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    for u in units:
+        u.pinned = False
+        u.kept_after_backward = False
+        u.reshard()
+        if swap:
+            for g in u.groups:
+                g.forget_grad_views()
+                for e in g.entries:
+                    _SHARDED.pop(e.sharded, None)
+
+
+def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
+    if p is not e.sharded or p.dtype != g.dtype or p.device != g.shard.device:
+        return True
+    return (not p.is_meta and p.untyped_storage().data_ptr()
+            != g.shard.untyped_storage().data_ptr())
+
+
+def _after_apply(units: list[Unit]) -> None:
+    try:
+        rebuilt = [u for u in units if _adopt_unit(u)]
+    finally:
+        _register_sharded(units)
+    for ctx in {id(u.ctx): u.ctx for u in rebuilt if u.ctx is not None}.values():
+        for v in ctx.units:  # lazy init again at the next forward
+            v.ctx = None
+            if not v.hook_handles:  # a passive unit's, removed by lazy init
+                for m in v.modules:
+                    _add_forward_hooks(v, m)
+
+
+def _adopt_unit(u: Unit) -> bool:
+    """Rebuild ``u``'s groups from what ``_apply`` left in the modules; False
+    if it changed nothing of this unit."""
+    held = [[_held(e) for e in g.entries] for g in u.groups]
+    changed = [[_changed(g, e, p) for e, p in zip(g.entries, ps)]
+               for g, ps in zip(u.groups, held)]
+    if not any(any(c) for c in changed):
+        return False
+    for g, ps, cs in zip(u.groups, held, changed):
+        kinds = {(p.dtype, p.device) for p in ps}
+        if any(cs) and (not all(cs) or len(kinds) > 1):
+            shown = ", ".join(f"'{e.fqn}' ({p.dtype}, {p.device})" for e, p in zip(g.entries, ps))
+            raise unit_error(u.fqn, f"only some of this unit's parameters were cast or moved: "
+                             f"{shown}.", "Cast or move the module fully_shard was applied to "
+                             "(or the whole model), not a module inside it; or do it before "
+                             "fully_shard.", exc=ValueError)
+        dev = ps[0].device
+        if not g.offload and dev.type not in ("meta", g.mesh_device.type):
+            raise unit_error(u.fqn, f"moving its parameters to {dev}, but its mesh communicates "
+                             f"on {g.mesh_device.type}.", "Move the model before fully_shard, or "
+                             f"shard it on a {dev.type} mesh (CPUOffloadPolicy() keeps shards on "
+                             "CPU).", exc=ValueError)
+    for g, ps in zip(u.groups, held):
+        g.adopt_params(ps)
+    u.hook_groups()
+    return True
+
+
+def _register_sharded(units: list[Unit]) -> None:
+    for u in units:
+        for g in u.groups:
+            for e in g.entries:
+                _SHARDED[e.sharded] = (g, e)
+
+
 class UnshardHandle:
     def __init__(self, unit: Unit):
         self._unit = unit
@@ -228,6 +364,19 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def _as_mesh(label: str, mesh) -> DeviceMesh:
+    """``mesh``, or a 1-D DeviceMesh over a ProcessGroup given instead (on
+    ``cuda`` for NCCL, else ``cpu``, as the default mesh)."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, dist.ProcessGroup):
+        device_type = "cuda" if dist.get_backend(mesh) == "nccl" else "cpu"
+        return DeviceMesh.from_group(mesh, device_type)
+    raise unit_error(label, f"mesh must be a DeviceMesh (or a ProcessGroup), got "
+                     f"{type(mesh).__name__}.", "Pass e.g. init_device_mesh('cuda', (world,)) "
+                     "or mesh['dp'].", exc=TypeError)
+
+
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -242,6 +391,17 @@ def _describe(modules: list[nn.Module]) -> str:
         cls = type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)
         names.append(u.fqn if u is not None and u.fqn else cls.__name__)
     return ", ".join(names)
+
+
+def _name_unit(unit: Unit) -> str:
+    """Words that identify ``unit`` before the root names it: its FQN if a
+    parent was sharded already, else fully_shard(<its modules' classes>)."""
+    if unit.fqn:
+        return f"'{unit.fqn}'"
+    classes = ", ".join((type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)).__name__
+                        for m in unit.modules)
+    return f"the one made by fully_shard({classes})" if len(unit.modules) == 1 \
+        else f"the one made by fully_shard([{classes}])"
 
 
 def _collect(modules: list[nn.Module], ignored: set[int], label: str):
@@ -266,8 +426,8 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
             if p in _REPLACED:
                 other = _REPLACED[p]
                 raise unit_error(
-                    label, f"parameter '{prefix}{name}' is already sharded by unit "
-                    f"'{other.fqn}' (a weight tied across two fully_shard units).",
+                    label, f"parameter '{prefix}{name}' is already sharded by another unit, "
+                    f"{_name_unit(other)} (a weight tied across two fully_shard units).",
                     "Put every module that uses it in one unit: fully_shard([module_a, module_b]), "
                     "or leave one of them to the parent unit.", exc=ValueError)
             if id(p) not in found:
@@ -440,7 +600,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     if len({id(m) for m in modules}) != len(modules):
         raise unit_error(label, "the same module appears twice in the list.", exc=ValueError)
 
-    mesh = mesh if mesh is not None else _default_mesh()
+    mesh = _as_mesh(label, mesh) if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise unit_error(label, f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
                          f"got a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}.",
@@ -454,12 +614,14 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                          "whole on one rank, for optimizers such as Muon or Adafactor).",
                          exc=ValueError)
 
+    # One model-wide set may be passed to every call (as FSDP2 accepts): a
+    # parameter outside these modules is simply not this unit's business.
     ignored = list(ignored_params or ())
-    own = {id(p) for m in modules for p in m.parameters()}
     for p in ignored:
-        if not isinstance(p, nn.Parameter) or id(p) not in own:
-            raise unit_error(label, f"ignored_params contains a tensor of shape "
-                             f"{tuple(p.shape)} that is not a parameter of this module.",
+        if not isinstance(p, nn.Parameter):
+            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) \
+                else f"a {type(p).__name__}"
+            raise unit_error(label, f"ignored_params contains {what}, not an nn.Parameter.",
                              "Pass parameters from module.parameters().", exc=ValueError)
 
     device = _mesh_device(mesh)
@@ -481,9 +643,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     for m in modules:
         _move_buffers(m, device)
         m.__dict__["_fsdp_unit"] = unit
-        unit.hook_handles += [
-            m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True),
-            m.register_forward_hook(_post_forward_hook(unit))]
+        _add_forward_hooks(unit, m)
         _swap_class(m)
         assign_fqns(m)
     return module
@@ -494,6 +654,12 @@ def _move_buffers(m: nn.Module, device: torch.device) -> None:
         for name, b in sub._buffers.items():
             if b is not None and b.device != device and not b.is_meta:
                 sub._buffers[name] = b.to(device)
+
+
+def _add_forward_hooks(unit: Unit, m: nn.Module) -> None:
+    unit.hook_handles += [
+        m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True),
+        m.register_forward_hook(_post_forward_hook(unit))]
 
 
 def _pre_forward_hook(unit: Unit):

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from . import _compat
-from ._common import TrainingState, label, root_setting_fix, trace, unit_error
+from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket, launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
@@ -331,6 +331,7 @@ class RootContext:
             launch.finish()
         self._in_flight = []
 
+    @_compat.outside_functorch
     def _final_callback(self) -> None:
         with label("final_callback", self.root.fqn):
             trace("final_callback", self.root.fqn)
@@ -435,10 +436,8 @@ def _check_not_meta(root: Unit, units: list[Unit]) -> None:
     meta = [e.fqn for u in units for g in u.groups if g.device.type == "meta" for e in g.entries]
     if meta:
         shown = ", ".join(meta[:8]) + (f" and {len(meta) - 8} more" if len(meta) > 8 else "")
-        raise unit_error(
-            root.fqn, f"{len(meta)} parameters are still on the meta device at the first "
-            f"forward: {shown}.", "Initialise the model on a real device (e.g. "
-            "module.to_empty(device=...) and reset_parameters()) before calling fully_shard.")
+        raise unit_error(root.fqn, f"{len(meta)} parameters are still on the meta device at "
+                         f"the first forward: {shown}.", META_FIX)
 
 
 def _check_root_settings(root: Unit, units: list[Unit]) -> None:
@@ -460,10 +459,13 @@ def _check_params(u: Unit) -> None:
                 if held is not e.sharded and held is not e.unsharded:
                     raise unit_error(
                         u.fqn, f"parameter '{e.fqn}' was replaced after fully_shard.",
-                        "Assign, move (.to / .cuda / to_empty) or re-initialise parameters "
-                        "before calling fully_shard, not after.")
+                        "Assign or re-initialise parameters before calling fully_shard, not "
+                        "after (in place, under torch.no_grad(), is fine); cast or move the "
+                        "module fully_shard was applied to (or the whole model), not a module "
+                        "inside it.")
             if e.sharded.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
                 raise unit_error(
                     u.fqn, f"parameter '{e.fqn}' no longer aliases its shard (its .data was "
-                    "replaced, e.g. by module.to() or to_empty() after fully_shard).",
-                    "Move or materialise the module before calling fully_shard.")
+                    "replaced: p.data = ..., or .to() / to_empty() on a module inside the unit).",
+                    "Cast or move the module fully_shard was applied to (or the whole model), "
+                    "which casts the shards; or do it before fully_shard.")

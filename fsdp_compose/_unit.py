@@ -40,8 +40,8 @@ class Unit:
         self.modules = modules
         self.groups = groups
         # groups whose flat gradient we reduce (a direct group's Parameters get
-        # their gradients from autograd, see [Note: world size 1])
-        self.trainable = [g for g in groups if g.requires_grad and not g.direct]
+        # their gradients from autograd, see [Note: world size 1]); see hook_groups
+        self.trainable: list[FlatGroup] = []
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
@@ -76,6 +76,14 @@ class Unit:
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
+        self.hook_groups()
+
+    def hook_groups(self) -> None:
+        """Find the trainable groups and hook their flat gradients. Again after
+        a cast or move re-made every group's flat (FSDPModule._apply): which
+        groups are direct may have changed."""
+        self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
+        self._ready.clear()
         for g in self.trainable:
             g.set_grad_hook(self._make_grad_hook(g))
 
@@ -161,9 +169,10 @@ class Unit:
             trace("pre_forward_recompute", self.fqn, self.state.name)
             if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
                 self._uses_seen += 1
-            ctx.unshard_for_backward(self)
-            self._refresh_views()
-            self.wait_for_unshard()
+            with _compat.functorch_disabled():
+                ctx.unshard_for_backward(self)
+                self._refresh_views()
+                self.wait_for_unshard()
             return self._cast(self._cast_inputs, (args, kwargs))
         if self._forward_depth == 0:
             if self.is_root:
@@ -172,7 +181,7 @@ class Unit:
             trace("pre_forward", self.fqn, self.state.name)
             self.state = TrainingState.FORWARD
             ctx.record_forward(self)
-            with label("pre_forward", self.fqn):
+            with label("pre_forward", self.fqn), _compat.functorch_disabled():
                 self.unshard()
                 ctx.prefetch_forward(self)
                 self._refresh_views()
@@ -210,6 +219,7 @@ class Unit:
                     g.split_node.register_prehook(functools.partial(self._grads_computed, g))
                     self.grads_hooked = True
 
+    @_compat.outside_functorch
     def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
         """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
         gradients of its views into the flat gradient: all of them are computed,
@@ -273,13 +283,15 @@ class Unit:
         # whatever the setting: the optimizer never steps under a stale copy.
         in_training_step = self.ctx.in_training_forward and not self.is_root
         if self.reshard_after_forward or not (grad_follows or in_training_step):
-            self.reshard(to_post_forward=grad_follows)  # (reshard_after_forward=N)
+            with _compat.functorch_disabled():
+                self.reshard(to_post_forward=grad_follows)  # (reshard_after_forward=N)
         if self.is_root:
             self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
         return output
 
     # ----------------------------------------------------------------- backward
+    @_compat.outside_functorch
     def _pre_backward(self, _grad) -> None:
         self.ctx.on_backward_hook()
         self._uses_seen += 1
@@ -309,6 +321,7 @@ class Unit:
 
         return hook
 
+    @_compat.outside_functorch
     def _on_grad_accumulated(self, idx: int) -> None:
         ctx = self._ensure_ctx()
         ctx.on_backward_hook()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _collectives
+from ._common import rank as _rank
 from ._fully_shard import _SHARDED
 
 
@@ -34,7 +35,8 @@ def _shard_groups(mesh, placements) -> tuple:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
     """Clip gradients in place by their global norm; return that norm (a plain tensor).
 
     Works for any mix of parameters sharded by ``fully_shard`` (row or tensor
@@ -43,6 +45,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     its elements (a rank holding none of it has no ``p.grad``), and padding is
     in no parameter, so every element counts once. Every rank must pass the
     same parameters (as ``model.parameters()`` gives).
+
+    ``error_if_nonfinite`` and ``foreach`` are torch's. The norm is global,
+    so with ``error_if_nonfinite=True`` every rank sees the same non-finite
+    value and raises, after the last collective (no rank is left in one),
+    before any gradient is scaled.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
@@ -67,19 +74,27 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     device = device or torch.device("cpu")
     total = None
     for key, grads in classes.items():
-        part = _local_norm(grads, norm_type, device)
-        if not inf:
-            part = part.pow(norm_type)
-        for pg in key:
-            _collectives.all_reduce(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, pg)
+        part = _local_norm(grads, norm_type, device, foreach)
+        if inf:
+            part = _all_reduce_max(part, key)
+        else:
+            part = part.pow(norm_type)  # a NaN or inf survives the SUM on every rank
+            for pg in key:
+                _collectives.all_reduce(part, dist.ReduceOp.SUM, pg)
         total = part if total is None else (torch.maximum(total, part) if inf else total + part)
     if total is None:
         total = torch.zeros((), device=device)
     elif not inf:
         total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"fsdp_compose [rank {_rank()}] clip_grad_norm_: the total norm of order {norm_type} "
+            f"of the gradients over every rank is non-finite ({total.item()}), so it cannot be "
+            "clipped; every rank raises this. To scale the gradients by the non-finite norm "
+            "anyway, set error_if_nonfinite=False.")
     # plain gradients (ours included): torch's foreach path; epsilon added once
     plain = [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(plain, max_norm, total, foreach=foreach)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for p in params:
@@ -89,9 +104,22 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
-def _local_norm(tensors: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+def _local_norm(tensors: list[torch.Tensor], norm_type: float, device, foreach) -> torch.Tensor:
     # a rank may hold 0 elements of a parameter; the inf-norm of nothing is undefined
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.zeros((), device=device, dtype=torch.float32)
-    return torch.nn.utils.get_total_norm(tensors, norm_type).to(device, torch.float32)
+    norm = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+    return norm.to(device, torch.float32)
+
+
+def _all_reduce_max(part: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """MAX over ``groups`` that keeps a NaN: gloo's MAX may drop one (measured:
+    max(1.0, nan) gave 1.0 on every rank when the NaN came from rank 1), so
+    "some rank saw a NaN" travels as a second element of the same collective."""
+    if not groups:
+        return part
+    both = torch.stack([part, torch.isnan(part).to(part.dtype)])
+    for pg in groups:
+        _collectives.all_reduce(both, dist.ReduceOp.MAX, pg)
+    return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])

@@ -102,14 +102,15 @@ def _errors(rank, world):
         lambda: fully_shard(Net(), mp_policy=fsdp_compose.MixedPrecisionPolicy(param_dtype=torch.int8)))
     out["offload_type"] = _error(lambda: fully_shard(Net(), offload_policy=True))
 
-    stranger = nn.Parameter(torch.zeros(3))
-    out["ignored_not_param"] = _error(lambda: fully_shard(Net(), ignored_params=[stranger]))
+    # (a Parameter of another module is fine: one model-wide set may go to every call)
+    out["ignored_not_param"] = _error(lambda: fully_shard(Net(), ignored_params=[torch.zeros(3)]))
+    out["mesh_type"] = _error(lambda: fully_shard(Net(), mesh="dp"))
 
     out["module_list"] = _error(lambda: fully_shard(Net().layers))
 
     moved = shard(Net())
-    moved.to(torch.float64)  # replaces every parameter's .data after fully_shard
-    out["moved_after"] = _error(lambda: moved(torch.randn(2, 3, dtype=torch.float64)))
+    moved.layers[0].lin1.to(torch.float64)  # a module inside a unit: its shard is not cast
+    out["moved_after"] = _error(lambda: moved(torch.randn(2, 3)))
 
     out["param_info_plain"] = _error(lambda: param_info(nn.Parameter(torch.zeros(2))))
 
@@ -122,6 +123,7 @@ def _errors(rank, world):
     out["bucket_bool"] = _error(lambda: knobs.set_reduce_scatter_bucket_bytes(True))
     out["prefetch_not_sharded"] = _error(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
+    out["deepcopy"] = _error(lambda: copy.deepcopy(knobs))
     out["forward_method_missing"] = _error(
         lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
 
@@ -147,16 +149,20 @@ def errors():
 @pytest.mark.parametrize("case,exc,needles", [
     ("twice", "ValueError", ["unit 'Block'", "already applied", "once per module"]),
     ("twice_named", "ValueError", ["unit 'layers.1'", "already applied"]),
-    ("tied_across_units", "ValueError", ["'weight'", "fully_shard([module_a, module_b])"]),
-    ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device", "before calling fully_shard"]),
+    ("tied_across_units", "ValueError", ["'weight'", "another unit, the one made by "
+                                         "fully_shard(Embedding)", "fully_shard([module_a, module_b])"]),
+    ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device", "fsdp_compose.materialize(model)",
+                              "model.to_empty(device=...)", "README, 'Building on the meta device'"]),
     ("mesh_3d", "ValueError", ["1-D", "2-D (replicate, shard)", "mesh['dp']"]),
     ("raf_not_divisor", "ValueError", ["Net", "reshard_after_forward=", "divides the shard world size"]),
     ("mp_policy_type", "TypeError", ["Net", "MixedPrecisionPolicy", "torch.bfloat16"]),
     ("mp_policy_int_dtype", "ValueError", ["param_dtype", "floating-point", "torch.int8"]),
     ("offload_type", "TypeError", ["CPUOffloadPolicy()", "True"]),
-    ("ignored_not_param", "ValueError", ["not a parameter of this module", "(3,)"]),
+    ("ignored_not_param", "ValueError", ["not an nn.Parameter", "(3,)"]),
+    ("mesh_type", "TypeError", ["mesh must be a DeviceMesh (or a ProcessGroup)", "str"]),
     ("module_list", "ValueError", ["ModuleList", "each block"]),
-    ("moved_after", "RuntimeError", ["<root>", "'inp.weight'", "before calling fully_shard"]),
+    ("moved_after", "RuntimeError", ["unit 'layers.0'", "'layers.0.lin1.weight'",
+                                     "the module fully_shard was applied to"]),
     ("param_info_plain", "ValueError", ["not a parameter sharded by fully_shard"]),
     ("prefetch_depth_negative", "ValueError", ["unit 'layers.0'", "int >= 0", "-1"]),
     ("bucket_negative", "ValueError", ["unit 'layers.0'", "int >= 0 (bytes)", "-1"]),
@@ -166,6 +172,7 @@ def errors():
     ("bucket_bool", "ValueError", ["unit '<root>'", "int >= 0 (bytes)", "True"]),
     ("prefetch_not_sharded", "ValueError", ["Linear is not sharded", "fully_shard was applied"]),
     ("forward_method_missing", "ValueError", ["unit 'layers.1'", "'generate'"]),
+    ("deepcopy", "TypeError", ["unit '<root>'", "copy.deepcopy", "before fully_shard"]),
     ("root_setting_before_init", "ValueError",
      ["unit 'layers.1'", "set_prefetch_depth() was called", "not the root", "would be ignored",
       "model.set_prefetch_depth(...)"]),
@@ -225,6 +232,16 @@ def _semantics(rank, world):
     out["sharded_after_eval"] = all(
         p is q and p.shape[0] == param_info(p).rows[1] - param_info(p).rows[0]
         for p, q in zip(m.parameters(), sharded.values()))
+    # a ProcessGroup as the mesh: the same as the default mesh over the same ranks
+    torch.manual_seed(1)
+    a = Net()
+    b = copy.deepcopy(a)
+    fully_shard(a, mesh=dist.group.WORLD)
+    fully_shard(b)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    out["process_group_mesh"] = all(torch.equal(p.grad, q.grad)
+                                    for p, q in zip(a.parameters(), b.parameters()))
     return out
 
 
@@ -235,7 +252,8 @@ def semantics():
 
 @pytest.mark.parametrize("key", ["is_fsdp", "keeps_class", "inner_plain", "names_same",
                                  "same_ndim", "slices_match", "unsharded_full", "resharded",
-                                 "async_unshard", "eval_equal", "sharded_after_eval"])
+                                 "async_unshard", "eval_equal", "sharded_after_eval",
+                                 "process_group_mesh"])
 def test_semantics(semantics, key):
     assert all(r[key] for r in semantics), [r[key] for r in semantics]
 

@@ -476,6 +476,14 @@ def _meta_parity(rank, world, granularity="row") -> dict:
                    if k not in full or full[k].dtype != v.dtype or not torch.equal(full[k], v)]
     out["tied"] = model.head.weight is model.embed.weight
     out["frozen"] = not model.norm.bias.requires_grad
+    # the path before a Hugging Face save_pretrained: full, on CPU, on rank 0, no optimizer
+    off, off_osd = get_state_dict(model, [], full_state_dict=True, cpu_offload=True)
+    if rank == 0:
+        out["offload_no_optim"] = [k for k, v in want.items() if k not in off
+                                   or off[k].device.type != "cpu" or not torch.equal(off[k], v)]
+        out["offload_no_optim"] += [] if off_osd == {} else [f"optim {off_osd}"]
+    else:
+        out["offload_no_optim"] = [] if (off, off_osd) == ({}, {}) else ["kept data"]
     out["loss"] = train(model, make_optim(model), range(1), rank, world)
     with torch.device("meta"):
         bad = NoInit()
@@ -656,3 +664,10 @@ def test_tensor_layout_state_dicts(runs):
 def test_switch_layout_between_save_and_load(runs, world, switch):
     # saved at 2 ranks in one layout, resumed at 1, 2 and 4 in another
     assert _close(global_losses([r[switch] for r in runs[world]]), runs["ref"][SAVE_AT:])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_full_state_dict_on_cpu_without_optimizer(runs, world):
+    # get_state_dict(model, [], full_state_dict=True, cpu_offload=True): rank 0
+    # gets the unsharded model's values on CPU, the others empty dicts
+    assert [r["meta"]["offload_no_optim"] for r in runs[world]] == [[]] * world
