@@ -14,12 +14,14 @@ from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPoli
 from ._checkpoint import get_state_dict, set_state_dict
 from ._materialize import materialize
 from .clip import clip_grad_norm_
+from ._torch_hooks import declare_optimizer
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
     "clip_grad_norm_",
+    "declare_optimizer",
     "param_info",
     "register_fsdp_forward_method",
     "ParamInfo",

@@ -193,3 +193,30 @@ def sharded_tensor_global_shape(value: Any) -> tuple:
     """A ``ShardedTensor``'s global shape, read from its metadata (``.size()``
     goes through its deprecated ``__torch_function__``, which warns)."""
     return tuple(value.metadata().size)
+
+
+def guard_torch_clip_helper(check: Callable[[Any], None]) -> None:
+    """Make torch's own ``clip_grad_norm_`` call ``check(parameters)`` before clipping.
+
+    Why private: ``torch.nn.utils.clip_grad_norm_`` computes a rank-local norm
+    on sharded parameters (see [Note: torch.nn.utils.clip_grad_norm_] in
+    _torch_hooks.py). The public names are routed to ours, but a reference to
+    torch's function taken before that still runs torch's body, which looks up
+    its helper ``_clip_grads_with_norm_`` in its module at call time: wrapping
+    that helper is the one place where such a call can be made loud instead of
+    silently wrong. The public alias ``torch.nn.utils.clip_grads_with_norm_``
+    (a separate name, used by fsdp_compose.clip_grad_norm_) is left alone.
+    """
+    from torch.nn.utils import clip_grad
+
+    helper = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    if helper is None or getattr(helper, "_fsdp_compose_guard", False):
+        return
+
+    def guarded(parameters, max_norm, total_norm, foreach=None):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        check(parameters)
+        return helper(parameters, max_norm, total_norm, foreach)
+
+    guarded._fsdp_compose_guard = True
+    clip_grad._clip_grads_with_norm_ = guarded

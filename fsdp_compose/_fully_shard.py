@@ -16,6 +16,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._layout import GRANULARITIES
 from ._state import assign_fqns, unit_of
+from . import _torch_hooks
 from ._unit import Unit
 
 # Every sharded Parameter we created -> (group, entry); and every original
@@ -600,6 +601,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     if len({id(m) for m in modules}) != len(modules):
         raise unit_error(label, "the same module appears twice in the list.", exc=ValueError)
 
+    _torch_hooks.install()  # once: the optimizer check and clip_grad_norm_ routing
     mesh = _as_mesh(label, mesh) if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise unit_error(label, f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "

@@ -1,0 +1,229 @@
+"""What fsdp_compose attaches to torch's global extension points, and why.
+
+[Note: optimizers on sharded parameters]
+While sharded, each parameter is this rank's piece of the original: a block of
+whole dim-0 rows (default), or the whole tensor / an empty piece (the tensor
+layout), or the whole tensor (shard world size 1). An optimizer is exact on
+pieces only if its update of an element depends on nothing but that element's
+gradient and state (*element-wise*: SGD, Adam, ...). One that needs a whole
+matrix (Muon's orthogonalisation, Adafactor's row/column statistics) is exact
+only where every piece it steps is whole or empty; one that reduces over all
+parameters (LBFGS's dot products) is never exact on sharded parameters. Each
+of these would train differently from DDP *without any error*, so the first
+``step()`` of such an optimizer over pieces raises, through torch's global
+optimizer step pre-hook (before anything is written), naming the parameter
+and the fix. The verdict is a function of the layout, which every rank
+computes alike, so every rank raises together (no rank is left in a
+collective).
+
+Optimizers are classified by class (a subclass that does not override
+``step`` inherits its base's kind); an optimizer we do not know is treated as
+needing whole tensors. ``declare_optimizer(cls, kind)`` tells us otherwise.
+The check is cached per optimizer and redone when its parameter list changes:
+one dict lookup per step.
+
+[Note: torch.nn.utils.clip_grad_norm_]
+torch's ``clip_grad_norm_`` computes the norm of the gradients it is given:
+on sharded parameters that is this rank's part, so each rank would clip by a
+different, too small norm, silently. At the first ``fully_shard`` we make it
+right: ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.
+clip_grad_norm_``) become a dispatcher that hands any call whose parameters
+include ours to ``fsdp_compose.clip_grad_norm_`` (the global norm across the
+mesh; the same result DDP gets), and every other call to torch's function
+unchanged. A reference taken before that (``from torch.nn.utils import
+clip_grad_norm_`` before the first ``fully_shard``) still calls torch's own
+function; that path is made loud (see ``_compat.guard_torch_clip_helper``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import _compat
+from ._common import unit_error
+
+ELEMENTWISE = "elementwise"    # exact on any piece
+WHOLE_TENSOR = "whole_tensor"  # exact where each piece is the whole tensor (or empty)
+GLOBAL = "global"              # reduces over all parameters: exact only unsharded
+_KINDS = (ELEMENTWISE, WHOLE_TENSOR, GLOBAL)
+
+_KIND_BY_CLASS: dict[type, str] = {}
+for _name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
+              "Adamax", "Rprop", "ASGD"):
+    _KIND_BY_CLASS[getattr(torch.optim, _name)] = ELEMENTWISE
+for _name in ("Muon", "Adafactor"):
+    if hasattr(torch.optim, _name):
+        _KIND_BY_CLASS[getattr(torch.optim, _name)] = WHOLE_TENSOR
+_KIND_BY_CLASS[torch.optim.LBFGS] = GLOBAL
+
+
+def declare_optimizer(cls: type, kind: str) -> None:
+    """Tell fsdp_compose how optimizer class ``cls`` uses its parameters.
+
+    ``"elementwise"``: each element's update depends only on that element's
+    gradient and state (runs on any sharded piece); ``"whole_tensor"``: needs
+    each parameter whole (runs with ``shard_granularity="tensor"`` or at shard
+    world size 1); ``"global"``: reduces over all parameters (runs only where
+    nothing is sharded). Optimizers fsdp_compose does not know are treated as
+    ``"whole_tensor"``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"fsdp_compose.declare_optimizer: {cls!r} is not a torch.optim.Optimizer "
+                        "subclass.")
+    if kind not in _KINDS:
+        raise ValueError(f"fsdp_compose.declare_optimizer: kind must be one of {_KINDS}, "
+                         f"got {kind!r}.")
+    _KIND_BY_CLASS[cls] = kind
+    _checked.clear()
+
+
+def optimizer_kind(cls: type) -> str | None:
+    """The declared kind of ``cls``: its own, or that of the nearest base it
+    inherits ``step`` from; None if unknown."""
+    for c in cls.__mro__:
+        kind = _KIND_BY_CLASS.get(c)
+        if kind is not None:
+            return kind
+        if "step" in vars(c):  # its own step: a base's kind says nothing about it
+            return None
+    return None
+
+
+# optimizer -> the parameter-list signature it was checked with
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(opt: torch.optim.Optimizer) -> tuple:
+    return tuple(len(g["params"]) for g in opt.param_groups)
+
+
+def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+    sig = _signature(opt)
+    if _checked.get(opt) == sig:
+        return
+    _check_optimizer(opt)
+    _checked[opt] = sig
+
+
+def _check_optimizer(opt: torch.optim.Optimizer) -> None:
+    from ._fully_shard import _SHARDED  # the registry (imports flow: _fully_shard -> here)
+    cls = type(opt)
+    kind = optimizer_kind(cls)
+    if kind == ELEMENTWISE:
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            hit = _SHARDED.get(p)
+            if hit is None:
+                continue
+            g, e = hit
+            if not split_across_ranks(g, e):
+                continue
+            name = cls.__name__
+            if kind == GLOBAL:
+                what = (f"{name} reduces over all parameters (dot products of the whole "
+                        f"gradient), but parameter '{e.fqn}' is sharded: each rank would use "
+                        "only its own piece and training would silently differ from DDP.")
+                fix = (f"{name} cannot step sharded parameters. Use an element-wise optimizer "
+                       "(SGD, Adam, AdamW, ...), or run this model unsharded (DDP).")
+            else:
+                if kind is None:
+                    what = (f"fsdp_compose does not know whether {name} is element-wise, and "
+                            f"parameter '{e.fqn}' is split across ranks (each rank holds a "
+                            "block of its rows): an optimizer that needs whole tensors would "
+                            "silently train differently from DDP.")
+                    fix = (f"If each element's update of {name} depends only on that "
+                           f"element's gradient and state, declare it: fsdp_compose."
+                           f"declare_optimizer({name}, 'elementwise'). If it needs whole "
+                           "tensors, shard this unit with fully_shard(..., "
+                           "shard_granularity='tensor') (each parameter whole on one rank).")
+                else:
+                    what = (f"{name} needs whole tensors, but parameter '{e.fqn}' is split "
+                            "across ranks (each rank holds a block of its rows): it would "
+                            "silently train differently from DDP.")
+                    fix = ("Shard this unit with fully_shard(..., shard_granularity='tensor') "
+                           "(each parameter whole on one rank), or step these parameters with "
+                           "an element-wise optimizer.")
+            raise unit_error(g.unit_fqn, what, fix)
+
+
+def split_across_ranks(g, e) -> bool:
+    """Whether more than one rank holds a part of entry ``e`` of group ``g``.
+
+    A function of the layout alone (the same answer on every rank), so that a
+    check built on it raises on every rank or on none.
+    """
+    if g.world == 1:
+        return False
+    if e.tp is not None:  # a TP shard is never the whole parameter
+        return True
+    if e.numel == 0:
+        return False
+    S = g.shard_numel
+    return e.offset // S != (e.offset + e.numel - 1) // S
+
+
+# ---------------------------------------------------------------------------
+# clip_grad_norm_: see the Note
+# ---------------------------------------------------------------------------
+def _any_sharded(params) -> bool:
+    from ._fully_shard import _SHARDED
+    return any(p in _SHARDED for p in params)
+
+
+def _any_split(params) -> bool:
+    """Some parameter's gradient is spread over ranks (the local norm is not the norm)."""
+    from ._fully_shard import _SHARDED
+    for p in params:
+        hit = _SHARDED.get(p)
+        if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
+            return True
+    return False
+
+
+def _make_clip_dispatcher(original):
+    def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _any_sharded(params):
+            from .clip import clip_grad_norm_ as ours
+            return ours(params, max_norm, norm_type)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    clip_grad_norm_.__doc__ = original.__doc__
+    clip_grad_norm_.__wrapped__ = original
+    clip_grad_norm_._fsdp_compose_dispatch = True
+    return clip_grad_norm_
+
+
+def _stale_clip_error(parameters) -> None:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if _any_split(params):
+        raise RuntimeError(
+            "fsdp_compose: torch's clip_grad_norm_ was called on sharded parameters through a "
+            "reference taken before the first fully_shard (e.g. `from torch.nn.utils import "
+            "clip_grad_norm_` at the top of the script): it computes this rank's part of the "
+            "norm only, and would clip each rank differently. Call fsdp_compose.clip_grad_norm_"
+            " (or torch.nn.utils.clip_grad_norm_ looked up at call time, which fsdp_compose "
+            "routes to it).")
+
+
+_installed = False
+
+
+def install() -> None:
+    """Called by every fully_shard; does its work once per process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    register_optimizer_step_pre_hook(_step_pre_hook)
+    original = nn.utils.clip_grad.clip_grad_norm_
+    if not getattr(original, "_fsdp_compose_dispatch", False):
+        dispatcher = _make_clip_dispatcher(original)
+        nn.utils.clip_grad.clip_grad_norm_ = dispatcher
+        nn.utils.clip_grad_norm_ = dispatcher
+    _compat.guard_torch_clip_helper(_stale_clip_error)
