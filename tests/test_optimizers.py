@@ -73,7 +73,7 @@ class Declared(torch.optim.SGD):
         return super().step(closure)
 
 
-def _try_step(model: Net, make, closure: bool = False) -> str:
+def _try_step(model: nn.Module, make, closure: bool = False) -> str:
     """One step of a fresh optimizer; 'ok', or the error (shards must be untouched)."""
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
     before = [p.detach().clone() for p in model.parameters()]
@@ -91,25 +91,35 @@ def _try_step(model: Net, make, closure: bool = False) -> str:
             p.grad = None
 
 
+def _one_matrix() -> nn.Module:
+    """A unit holding one 32x32 matrix: at 2 and 4 ranks its rows are split."""
+    torch.manual_seed(0)
+    return fully_shard(nn.Sequential(nn.Linear(3, 32, bias=False), nn.ReLU(),
+                                     nn.Linear(32, 1, bias=False)))
+
+
 def _guard(rank, world):
     model = _sharded_net()
     out = {}
     for name in ELEMENTWISE:
         out[name] = _try_step(model, lambda: getattr(torch.optim, name)(model.parameters(), lr=1e-3))
     out["InheritsStep"] = _try_step(model, lambda: InheritsStep(model.parameters()))
-    out["LBFGS"] = _try_step(model, lambda: torch.optim.LBFGS(model.parameters(), max_iter=2),
-                            closure=True)
-    out["Adafactor"] = _try_step(model, lambda: torch.optim.Adafactor(model.parameters()))
-    matrices = [p for p in model.parameters() if p.ndim == 2]
-    out["Muon"] = _try_step(model, lambda: torch.optim.Muon(matrices))
-    out["OwnStep"] = _try_step(model, lambda: OwnStep(model.parameters(), lr=1e-3))
     fsdp_compose.declare_optimizer(Declared, "elementwise")
     out["Declared"] = _try_step(model, lambda: Declared(model.parameters(), lr=1e-3))
+    # (the 32x32 weight of the second Linear must be split at world size > 1)
+    one = _one_matrix()
+    out["split"] = [0 < p.shape[0] < fsdp_compose.param_info(p).shape[0] for p in one.parameters()]
+    out["LBFGS"] = _try_step(one, lambda: torch.optim.LBFGS(one.parameters(), max_iter=2),
+                             closure=True)
+    out["Adafactor"] = _try_step(one, lambda: torch.optim.Adafactor(one.parameters()))
+    matrices = [p for p in one.parameters() if p.ndim == 2]
+    out["Muon"] = _try_step(one, lambda: torch.optim.Muon(matrices))
+    out["OwnStep"] = _try_step(one, lambda: OwnStep(one.parameters(), lr=1e-3))
     # an optimizer that passed once is re-checked when its parameters change
     opt = torch.optim.Adafactor([nn.Parameter(torch.ones(2, 2))])
     opt.step()
-    opt.add_param_group({"params": list(model.parameters())})
-    out["Adafactor, group added"] = _try_step(model, lambda: opt)
+    opt.add_param_group({"params": list(one.parameters())})
+    out["Adafactor, group added"] = _try_step(one, lambda: opt)
     return out
 
 
@@ -135,6 +145,8 @@ def test_elementwise_optimizers_run(guard):
 ])
 def test_optimizers_needing_whole_tensors_raise_on_every_rank(guard, name, needles):
     world, results = guard
+    if world > 1:  # the case the guard is for: some rank holds part of a matrix's rows
+        assert any(any(r["split"]) for r in results), [r["split"] for r in results]
     for rank, r in enumerate(results):
         if world == 1:  # nothing is split: every optimizer is exact
             assert r[name] == "ok", (name, r[name])
