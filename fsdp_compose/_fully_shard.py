@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import root_setting_fix, unit_error
+from ._common import default_device, root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._state import assign_fqns, unit_of
@@ -223,8 +223,7 @@ def _default_mesh() -> DeviceMesh:
         raise RuntimeError("fsdp_compose.fully_shard: torch.distributed is not initialised. "
                            "Call torch.distributed.init_process_group() first (torchrun sets "
                            "the environment), or pass mesh=.")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(default_device().type, (dist.get_world_size(),))
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -394,7 +393,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         mesh: a 1-D ``DeviceMesh`` (shard over it), or a 2-D one
             ``(replicate, shard)`` for HSDP: shard within the second dim,
             replicate across the first (gradient shards are all-reduced over
-            it). Default: all ranks, on ``cuda`` for NCCL and ``cpu`` for gloo.
+            it). Default: all ranks, on ``cuda`` when the default process group
+            sends CUDA tensors to NCCL (``init_process_group()`` with no backend
+            on a GPU machine, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``), else ``cpu``.
         reshard_after_forward: free the full parameters after forward (True)
             or keep them until backward (False). ``None``: True, except for
             the root, whose parameters are needed first in backward. An int
@@ -454,7 +455,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size)
               if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
-                mp_policy=mp_policy)
+                mp_policy=mp_policy, device=device)
     for g in groups:
         g.install_sharded()
         for e in g.entries:
