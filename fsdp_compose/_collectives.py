@@ -1,8 +1,11 @@
 """Collectives as free functions, with byte counters.
 
-Every call is issued with ``async_op=True`` and returns the work handle; the
-caller decides where to ``wait()``. On NCCL that makes the current CUDA stream
-wait for the collective; on gloo it blocks the CPU until the data is there.
+All-gathers and reduce-scatters return a work handle; the caller decides
+where to ``wait()``. On gloo they are issued with ``async_op=True`` and
+``wait()`` blocks the CPU until the data is there. On CUDA the stream manager
+issues them with ``async_op=False`` inside its side-stream context: c10d then
+launches the NCCL kernel on that (current) stream, and the returned handle is
+already complete (see [Note: side streams] in _streams.py).
 
 [Note: gloo collectives]
 gloo's tensor all-gather and reduce-scatter are not in place: the all-gather
@@ -34,6 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ._common import group_backends
 from .api import CommStats
 
 _stats = CommStats()
@@ -73,7 +77,8 @@ def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
 
 
 class _Works:
-    """Several works waited as one (an all-gather made of broadcasts)."""
+    """Several works waited as one (an all-gather made of broadcasts); none:
+    already complete (``async_op=False``)."""
 
     def __init__(self, works: list):
         self._works = works
@@ -109,23 +114,25 @@ class Ready(ReduceScatterWork):
         super().__init__(None, output)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
     """``output`` (world·S) ← every rank's ``shard`` (S), in rank order."""
     _stats.all_gather_calls += 1
     _stats.all_gather_bytes += _nbytes(output)
     gloo = _in_place_gloo(output, group)
     if gloo is None:
-        return _all_gather_tensor(output, shard, group=group, async_op=True)
+        work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
+        return work if async_op else _Works([])
     rank, world = gloo
     chunks = output.view(world, -1)
     if chunks[rank].data_ptr() != shard.data_ptr():
         chunks[rank].copy_(shard)
-    return _Works([dist.broadcast(chunks[r], group=group, group_src=r, async_op=True)
-                   for r in range(world)])
+    works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=async_op)
+             for r in range(world)]
+    return _Works(works if async_op else [])
 
 
 def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
-                   out: torch.Tensor | None = None) -> ReduceScatterWork:
+                   out: torch.Tensor | None = None, async_op: bool = True) -> ReduceScatterWork:
     """``op`` (mean by default) over ranks of this rank's chunk of ``flat_grad``
     (world·S); ``wait()`` gives the S-element result (in ``out`` if given). On
     gloo ``flat_grad`` is overwritten, and the result is allocated only when
@@ -137,8 +144,8 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         world = dist.get_world_size(group)
         if out is None:
             out = flat_grad.new_empty(flat_grad.numel() // world)
-        return ReduceScatterWork(
-            _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=True), out)
+        work = _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=async_op)
+        return ReduceScatterWork(work if async_op else None, out)
     rank, world = gloo
     mine = flat_grad.view(world, -1)[rank]
     if out is not None:
@@ -148,12 +155,36 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         finish = lambda: torch.div(mine, world)  # noqa: E731
     else:
         finish = mine.clone
-    work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if not async_op:
+        return ReduceScatterWork(None, finish())
     return ReduceScatterWork(work, None, finish)
 
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:
-    """Blocking all-reduce (small tensors: norms, flags)."""
+    """All-reduce ``tensor`` in place, ``async_op=False`` (norms, flags, HSDP
+    gradient shards: on CUDA inside the stream manager's all-reduce stream).
+
+    A tensor on a device the group has no backend for (a CPU partial norm of
+    offloaded gradients over an NCCL group: "No backend type associated with
+    device type cpu") goes through the group's device and back."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
-    dist.all_reduce(tensor, op=op, group=group)
+    device = _group_device(group, tensor.device)
+    if device == tensor.device:
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op, group=group)
+    tensor.copy_(moved)
+
+
+def _group_device(group, device: torch.device) -> torch.device:
+    """``device`` if ``group`` has a backend for its type, else a device it has one for."""
+    backends = group_backends(group)
+    if device.type in backends or not backends:
+        return device
+    kind = "cuda" if "cuda" in backends else next(iter(backends))
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())

@@ -33,6 +33,29 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def group_backends(group=None) -> dict[str, str]:
+    """``{device type: backend}`` of a process group (the default one if None),
+    from its backend config ("cpu:gloo,cuda:nccl"; a plain "nccl" reads
+    "cuda:nccl"). ``dist.get_backend()`` is no substitute: it returns the
+    string given to ``init_process_group``, i.e. "undefined" without one and
+    "cpu:gloo,cuda:nccl" for that spelling."""
+    pairs = (p.split(":", 1) for p in str(dist.get_backend_config(group)).split(",") if ":" in p)
+    return {device.strip(): backend.strip() for device, backend in pairs}
+
+
+def default_device(group=None) -> torch.device:
+    """The device a job's default mesh (and ``materialize``) uses: the current
+    CUDA device when a GPU is visible and the process group (the default one
+    if None) sends CUDA tensors to a GPU backend (NCCL, whichever way
+    ``init_process_group`` was spelled); else the CPU (gloo, which also takes
+    CUDA tensors, means a CPU job)."""
+    if dist.is_initialized() and torch.cuda.is_available():
+        backend = group_backends(group).get("cuda")
+        if backend is not None and backend != "gloo":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def unit_error(fqn: str, what: str, fix: str = "", exc=RuntimeError) -> Exception:
     """An error that names the rank and the unit, and says what to change."""
     name = fqn if fqn else "<root>"

@@ -43,6 +43,35 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+def will_execute(node) -> bool:
+    """Whether the running backward will execute autograd ``node`` (e.g. a flat
+    parameter's AccumulateGrad: will this unit get a gradient on this rank?).
+
+    Why private: ``torch._C._will_engine_execute_node`` is the engine's own
+    answer (``register_multi_grad_hook`` uses it); there is no public one. Only
+    valid inside a backward, for the backward's own graph task.
+    """
+    return torch._C._will_engine_execute_node(node)
+
+
+def checkpoint_region() -> int | None:
+    """An id of the innermost non-reentrant activation-checkpoint region the
+    caller's forward runs in (``torch.utils.checkpoint``, also under
+    ``checkpoint_wrapper`` and HF's gradient checkpointing), else None.
+
+    Why private: the stack of saved-tensors hooks is only readable through
+    ``torch._C._autograd._top_saved_tensors_default_hooks``; a checkpoint
+    region is told from other saved-tensors hooks (``save_on_cpu``, a user's)
+    by its pack hook, a closure made per region in ``torch.utils.checkpoint``.
+    Used for the backward's collective order (see _state.py): the recompute of
+    a region gathers all of its units before any of their gradients exists.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
+        return None
+    return id(hooks[0])
+
+
 def profiler_enabled() -> bool:
     """True while a torch profiler is recording.
 

@@ -186,19 +186,36 @@ class _GradLaunch:
     """A reduce-scatter in flight, and how to fold its output into p.grad."""
 
     group: "FlatGroup"
-    pending: Pending     # wait() gives the reduced output
+    streams: StreamManager
+    pending: Pending | None  # wait() gives the reduced output
     mode: str  # "fresh" | "accumulate" | "mixed"
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     done: bool = field(default=False)
+    folded: bool = field(default=False)
+
+    def fold(self, out: torch.Tensor) -> None:
+        self.folded = True
+        if self.span is not None:
+            out = out[self.span[0]:self.span[1]]
+        self.group._finish_reduce(out, self.mode, self.post_divide, self.streams)
 
     def finish(self) -> None:
         if not self.done:
             out = self.pending.wait()
             self.done = True
-            if self.span is not None:
-                out = out[self.span[0]:self.span[1]]
-            self.group._finish_reduce(out, self.mode, self.post_divide)
+            if not self.folded:
+                self.fold(out)
+
+
+def _fold_all(launches: list[_GradLaunch]):
+    """The post-reduce of a reduce-scatter shared by ``launches``: on CUDA the
+    stream manager runs it at once on a side stream (see [Note: post-reduce]
+    in _streams.py); on gloo each launch folds at ``finish``."""
+    def fold(out: torch.Tensor) -> None:
+        for launch in launches:
+            launch.fold(out)
+    return fold
 
 
 class FlatGroup:
@@ -447,7 +464,7 @@ class FlatGroup:
         if self._copies_in:  # cast / host-to-device in one pass, into our own chunk
             S = self.shard_numel
             src = self.flat_data[self.rank * S:(self.rank + 1) * S]
-            src.copy_(self.shard, non_blocking=self.shard.is_pinned())
+            streams.copy_in(src, self.shard, from_host=self.offload)
         if self.world == 1:
             self.state = ShardedState.UNSHARDED
             return
@@ -555,9 +572,12 @@ class FlatGroup:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
         flat_grad, mode, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, streams.ready(flat_grad), mode, post)
+            return _GradLaunch(self, streams, streams.ready(flat_grad), mode, post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
-        return _GradLaunch(self, streams.reduce_scatter(flat_grad, self.rs_pg, op), mode, post)
+        launch = _GradLaunch(self, streams, None, mode, post)
+        launch.pending = streams.reduce_scatter(flat_grad, self.rs_pg, op, _fold_all([launch]),
+                                                self.replicate_pg is not None)
+        return launch
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
@@ -581,10 +601,13 @@ class FlatGroup:
             flat_grad.div_(pre)
         return flat_grad, mode, pre, post
 
-    def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None) -> None:
+    def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None,
+                       streams: StreamManager) -> None:
+        """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py)."""
         if self.replicate_pg is not None:  # HSDP: then across the replicas
             if self._partial is not None:
                 out = out.add_(self._partial)
+                streams.hold(self._partial)
                 self._partial = None
             if not self.requires_all_reduce:
                 self._partial = out  # p.grad is left alone until an all-reduced backward
@@ -593,8 +616,13 @@ class FlatGroup:
             _collectives.all_reduce(out, op, self.replicate_pg)
         if post is not None:
             out.div_(post)
-        if out.dtype != self.dtype or out.device != self.shard_device:
-            out = out.to(self.shard_device, self.dtype)  # (offload: device-to-host)
+        if self.offload:  # device-to-host, folded once the copy has landed
+            host = streams.to_host(out, self.dtype, self.pin_memory)
+            # the mode is read then: an earlier fold of this group may be waiting too
+            streams.on_host(lambda: self._fold_grad(host, self._grad_mode()))
+            return
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
         self._fold_grad(out, mode)
 
     def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
@@ -642,11 +670,14 @@ def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_Grad
     W = first.world
     flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)], dim=1)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
-    pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op)  # waited once, shared
     launches, at = [], 0
     for g, (_, mode, _, post) in zip(groups, taken):
-        launches.append(_GradLaunch(g, pending, mode, post, (at, at + g.shard_numel)))
+        launches.append(_GradLaunch(g, streams, None, mode, post, (at, at + g.shard_numel)))
         at += g.shard_numel
+    pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op, _fold_all(launches),
+                                     first.replicate_pg is not None)  # waited once, shared
+    for launch in launches:
+        launch.pending = pending
     return launches
 
 
@@ -686,7 +717,7 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     for g in groups:
         g.unsharded_version = g.shard._version
         g._alloc_flat()
-        mine[at:at + g.shard_numel].copy_(g.shard, non_blocking=g.shard.is_pinned())
+        streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
         at += g.shard_numel
     work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg), groups, buf)
     for g in groups:

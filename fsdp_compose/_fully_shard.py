@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import TrainingState, root_setting_fix, unit_error
+from ._common import TrainingState, default_device, root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._layout import GRANULARITIES
@@ -361,18 +361,17 @@ def _default_mesh() -> DeviceMesh:
         raise RuntimeError("fsdp_compose.fully_shard: torch.distributed is not initialised. "
                            "Call torch.distributed.init_process_group() first (torchrun sets "
                            "the environment), or pass mesh=.")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(default_device().type, (dist.get_world_size(),))
 
 
 def _as_mesh(label: str, mesh) -> DeviceMesh:
     """``mesh``, or a 1-D DeviceMesh over a ProcessGroup given instead (on
-    ``cuda`` for NCCL, else ``cpu``, as the default mesh)."""
+    ``cuda`` when the group sends CUDA tensors to NCCL, else ``cpu``, as the
+    default mesh)."""
     if isinstance(mesh, DeviceMesh):
         return mesh
     if isinstance(mesh, dist.ProcessGroup):
-        device_type = "cuda" if dist.get_backend(mesh) == "nccl" else "cpu"
-        return DeviceMesh.from_group(mesh, device_type)
+        return DeviceMesh.from_group(mesh, default_device(mesh).type)
     raise unit_error(label, f"mesh must be a DeviceMesh (or a ProcessGroup), got "
                      f"{type(mesh).__name__}.", "Pass e.g. init_device_mesh('cuda', (world,)) "
                      "or mesh['dp'].", exc=TypeError)
@@ -558,7 +557,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         mesh: a 1-D ``DeviceMesh`` (shard over it), or a 2-D one
             ``(replicate, shard)`` for HSDP: shard within the second dim,
             replicate across the first (gradient shards are all-reduced over
-            it). Default: all ranks, on ``cuda`` for NCCL and ``cpu`` for gloo.
+            it). Default: all ranks, on ``cuda`` when the default process group
+            sends CUDA tensors to NCCL (``init_process_group()`` with no backend
+            on a GPU machine, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``), else ``cpu``.
         reshard_after_forward: free the full parameters after forward (True)
             or keep them until backward (False). ``None``: True, except for
             the root, whose parameters are needed first in backward. An int
@@ -634,7 +635,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
                             shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
-                mp_policy=mp_policy)
+                mp_policy=mp_policy, device=device)
     for g in groups:
         g.install_sharded()
         for e in g.entries:

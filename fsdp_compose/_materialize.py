@@ -29,17 +29,11 @@ initialised by its module: an error naming it (give the module a
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ._checkpoint import _SLOTS, _units
+from ._common import default_device
 from ._common import rank as _rank
-
-
-def _default_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -74,8 +68,10 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 init_fn=None) -> nn.Module:
     """Allocate and initialise a model that was built on the meta device and sharded.
 
-    ``device``: where the shards (and meta buffers) go; default: the current
-    CUDA device with NCCL, else CPU. (With CPU offload the shards stay on CPU.)
+    ``device``: where the shards (and meta buffers) go; default: the device of
+    the mesh each unit was sharded on (the current CUDA device for a CUDA
+    mesh), and for anything outside the units that of the first unit. (With
+    CPU offload the shards stay on CPU.)
     ``init_fn``: called as ``init_fn(module)`` instead of
     ``module.reset_parameters()``, for every module that owns something that
     was on meta.
@@ -88,12 +84,17 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     Build optimizers after this: the sharded Parameters are new objects.
     """
     from ._fully_shard import _SHARDED
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type == "meta":
-        raise ValueError("fsdp_compose.materialize: device must be a real device, not meta.")
-    meta_groups = [g for u in _units(model) for g in u.groups if g.device.type == "meta"]
+    units = _units(model)
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("fsdp_compose.materialize: device must be a real device, not meta.")
+    group_device = {id(g): device or u.device for u in units for g in u.groups}
+    # parameters and buffers outside the units: where the first unit lives
+    device = device or (units[0].device if units else default_device())
+    meta_groups = [g for u in units for g in u.groups if g.device.type == "meta"]
     for g in meta_groups:
-        g.materialize_(device)
+        g.materialize_(group_device[id(g)])
         for e in g.entries:
             _SHARDED[e.sharded] = (g, e)
     fresh = {id(g) for g in meta_groups}
@@ -111,8 +112,9 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 _, g, e = hit
                 scratch = id(e) in done
                 if id(e) not in temps:
-                    temps[id(e)] = (torch.empty(e.shape, dtype=g.dtype, device=device) if scratch
-                                    else _blank(e.shape, g.dtype, device))
+                    where = group_device[id(g)]
+                    temps[id(e)] = (torch.empty(e.shape, dtype=g.dtype, device=where) if scratch
+                                    else _blank(e.shape, g.dtype, where))
                 t = temps[id(e)]
                 m._parameters[name] = nn.Parameter(t, requires_grad=e.sharded.requires_grad)
                 pieces.append((name, e, t, scratch))

@@ -27,6 +27,40 @@ units whose forward ran with a backward to follow:
 Ranks never diverge, and a parameter used on only some ranks still gets the
 rank-average gradient. At most one unit's reduce-scatters are in flight at a
 time, so flat gradients are freed as backward proceeds.
+
+[Note: one order across communicators]
+NCCL also needs collectives on *different* communicators issued in the same
+order on every rank: a kernel waiting for its peers can hold the SMs or the
+only hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) that another
+communicator's kernel needs. So the two orders above are merged into ONE
+sequence, a function of the forward alone (the same on every rank):
+
+- every reduce-scatter gets a *slot* in the gather order: the index of the
+  last all-gather that must be issued before it. Unit u's gradient can need
+  the all-gathers of every unit whose forward ended after u's first forward
+  began (consumers of u's output; u itself), and of every unit in the same
+  non-reentrant checkpoint region (its recompute gathers them all before any
+  of their gradients exists). Its slot is the largest gather index among
+  those, extended by what any of them prefetches (so a unit's backward
+  prefetch is issued before its reduce-scatter, as FSDP2 does), and never
+  before the slot of an earlier unit in the reduce order;
+- reduce-scatters are issued in the reduce order, each once ready and once
+  its slot's all-gather is issued; all-gathers as now, on demand;
+- a demand for an all-gather comes from unit w's pre-backward (or the
+  recompute of w's region). Every reduce-scatter slotted before that
+  all-gather belongs to a unit whose forward began after w's ended: the
+  engine runs backward nodes in decreasing sequence number, so such a unit's
+  gradient (its split node, made at its pre-forward) is complete before w's
+  pre-backward, or it never comes on this rank. The demand therefore issues
+  those reduce-scatters first, zero-filled where no gradient came (the engine
+  confirms: ``_compat.will_execute``); a rank never waits for a gradient that
+  depends on a collective it has not issued. The root's final callback
+  issues whatever is left, in the same sequence.
+
+Outside the sequence, as before (hook timing, equal on ranks whose graphs
+are equal): units inside a reentrant checkpoint (their forward ran without
+grad, so they are in neither order), a second gradient for a unit already
+reduced, and the user's own ``unshard()``.
 """
 from __future__ import annotations
 
@@ -84,6 +118,10 @@ class RootContext:
         self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
         self._grad_follows: dict[Unit, None] = {}  # ... whose outputs will see a backward,
                                                    # in last-post-forward order
+        self._clock = 0                             # forward events this step, and when:
+        self._first_pre: dict[Unit, int] = {}       # ... a unit's first pre-forward
+        self._last_post: dict[Unit, int] = {}       # ... its last post-forward (grad follows)
+        self._regions: dict[Unit, set] = {}         # checkpoint regions its forwards ran in
         # per backward
         self._callback_queued = False
         self._outer_task = -1                   # graph task of the backward we finish
@@ -92,6 +130,8 @@ class RootContext:
         self._gather_next = 0                   # next index in it to all-gather
         self._order: list[Unit] | None = None   # the reduce order, see the Note
         self._next = 0                          # next index in it to reduce-scatter
+        self._slots: list[int] | None = None    # per reduce-order index: its slot (see Note)
+        self._gets_grad: dict[Unit, bool] | None = None  # will the engine give it one
         self._ready: set[Unit] = set()
         self._launched: set[Unit] = set()
         self._in_flight: list = []
@@ -111,6 +151,9 @@ class RootContext:
             self._new_step = False
             self._step_order.clear()
             self._grad_follows.clear()
+            self._first_pre.clear()
+            self._last_post.clear()
+            self._regions.clear()
             for u in self.units:
                 u.uses = 0
                 # left unsharded by a forward with no backward: may be stale
@@ -123,6 +166,11 @@ class RootContext:
 
     def record_forward(self, unit: Unit) -> None:
         self._step_order.setdefault(unit, None)
+        self._clock += 1
+        self._first_pre.setdefault(unit, self._clock)
+        region = _compat.checkpoint_region() if torch.is_grad_enabled() else None
+        if region is not None:
+            self._regions.setdefault(unit, set()).add(region)
 
     def prefetch_forward(self, unit: Unit) -> None:
         """Issue the all-gathers of the units expected to run after ``unit``.
@@ -189,6 +237,8 @@ class RootContext:
     def expect_backward(self, unit: Unit) -> None:
         self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
         self._grad_follows[unit] = None
+        self._clock += 1
+        self._last_post[unit] = self._clock
 
     def expects_backward(self, unit: Unit) -> bool:
         return unit in self._grad_follows
@@ -244,10 +294,54 @@ class RootContext:
             self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
         return self._gather_pos
 
-    def _gather_up_to(self, stop: int) -> None:
+    def _gather_up_to(self, stop: int, final: bool = False) -> None:
+        """Issue the gather order up to index ``stop``, each all-gather after
+        the reduce-scatters slotted before it (see [Note: one order across
+        communicators])."""
         while self._gather_next <= stop:
+            self._issue_reductions(demand=True, final=final)
             self._gather_next += 1
             self._gather_order[self._gather_next - 1].unshard()
+        self._issue_reductions(final=final)
+
+    def _reduces(self, unit: Unit) -> bool:
+        return bool(unit.trainable) and unit.requires_gradient_sync
+
+    def _slot_of(self) -> list[int]:
+        """[i]: the gather index after which the i-th unit of the reduce order
+        may reduce-scatter (see the Note); once per backward."""
+        if self._slots is None:
+            gather, pos = self._gather_order, self._gather_positions()
+            region_end: dict = {}
+            for u, regions in self._regions.items():
+                for r in regions:
+                    if u in pos:
+                        region_end[r] = max(region_end.get(r, -1), pos[u])
+            reach, best = [], -1  # reach[g]: the furthest index gather[:g + 1] prefetch
+            for u in gather:
+                best = max(best, self._prefetch_stop(u))
+                reach.append(best)
+            slots, ended, floor = [], 0, 0
+            for u in self.reduce_order():  # first pre-forward, latest first
+                while ended < len(gather) and self._last_post[gather[ended]] > self._first_pre[u]:
+                    ended += 1  # gather[:ended]: forwards that ended after u's began
+                last = max([ended - 1] + [region_end[r] for r in self._regions.get(u, ())])
+                floor = max(floor, reach[last])
+                slots.append(floor)
+            self._slots = slots
+        return self._slots
+
+    def _no_gradient_here(self, unit: Unit) -> bool:
+        """At a demand past ``unit``'s slot: no gradient will come for it on this
+        rank (see the Note), and this backward reduces gradients at all (not
+        ``autograd.grad(loss, inputs)``). Asked of the engine, once per backward."""
+        if self.in_nested_backward():
+            return False  # the engine would answer for the nested backward
+        if self._gets_grad is None:
+            self._gets_grad = {u: any(_compat.will_execute(g.split_node.next_functions[0][0])
+                                      for g in u.trainable if g.split_node is not None)
+                               for u in self.reduce_order() if self._reduces(u)}
+        return any(self._gets_grad.values()) and not self._gets_grad.get(unit, False)
 
     def grads_ready(self, unit: Unit) -> None:
         if not unit.requires_gradient_sync:
@@ -258,17 +352,26 @@ class RootContext:
             self._launch(unit)
             return
         self._ready.add(unit)
-        self._issue_in_order(final=False)
+        self._issue_reductions()
 
-    def _issue_in_order(self, final: bool) -> None:
-        order = self.reduce_order()
+    def _issue_reductions(self, demand: bool = False, final: bool = False) -> None:
+        """Issue the reduce-scatters whose turn came: in the reduce order, each
+        once the all-gather of its slot is issued. Ready ones only, except
+        ``demand`` (the next all-gather is wanted: the ones slotted before it go
+        first, zero-filled where no gradient comes) and ``final`` (all of them)."""
+        if final and not self.accumulated:
+            return  # e.g. autograd.grad(loss, inputs): p.grad untouched
+        order, slots = self.reduce_order(), self._slot_of()
         while self._next < len(order):
             unit = order[self._next]
-            if not (unit.trainable and unit.requires_gradient_sync):
+            if not self._reduces(unit):
                 self._next += 1  # nothing to reduce (frozen, or accumulating)
                 continue
-            if not final and unit not in self._ready:
-                break
+            if slots[self._next] >= self._gather_next:
+                break  # its slot's all-gather is not issued yet
+            if unit not in self._ready and not final:
+                if not (demand and self._no_gradient_here(unit)):
+                    break  # (a demand that cannot wait for it issues its all-gather anyway)
             self._next += 1
             if self.root.bucket_bytes <= 0 or not self.communicates:
                 self._launch(unit)
@@ -337,12 +440,12 @@ class RootContext:
             trace("final_callback", self.root.fqn)
             # All-gathers this rank's graph never asked for (a unit whose
             # backward did not reach it here) may be awaited by another rank:
-            # finish the gather order first, then the reduce order.
-            self._gather_up_to(len(self._gather_positions()) - 1)
-            if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
-                self._issue_in_order(final=True)
-            if self.root.is_last_backward:
+            # finish the one sequence (see the Note), zero-filling what is left.
+            self._gather_up_to(len(self._gather_positions()) - 1, final=True)
+            self._issue_reductions(final=True)
+            if self.root.is_last_backward or self.streams.host_work_pending:
                 self._drain()
+                self.streams.finish_host_work()  # CUDA offload: the one sync
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
             # flight, overlapping the next microbatch's forward; the next
             # backward's first launch (or a last backward) folds it into p.grad
@@ -358,12 +461,17 @@ class RootContext:
         self._gather_order = None
         self._gather_next = 0
         self._next = 0
+        self._slots = None
+        self._gets_grad = None
         self._ready.clear()
         self._launched.clear()
         self._bucket, self._bucket_bytes, self._following = [], 0, None
 
     def _abort_step(self) -> None:
+        for launch in self._in_flight:  # never drop what a side stream still writes
+            self.streams.abandon(launch.pending)
         self._in_flight = []
+        self.streams.abort()
         for u in self.units:
             for g in u.groups:
                 g.flat.grad = None
@@ -413,7 +521,9 @@ def lazy_init_root(unit: Unit) -> None:
     _check_root_settings(unit, units)
     for u in units:
         _check_params(u)
-    device = unit.groups[0].device if unit.groups else torch.device("cpu")
+    # a root without parameters of its own (a Sequential of sharded blocks)
+    # communicates where its mesh lives, like the units it holds
+    device = unit.groups[0].device if unit.groups else unit.device
     ctx = RootContext(unit, units, device)
     ctx.communicates = any(g.world > 1 for u in units for g in u.groups)
     for u in units:

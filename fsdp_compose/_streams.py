@@ -17,22 +17,44 @@ process groups, see _fully_shard._reduce_scatter_group, so they overlap each
 other and compute):
 
     compute:  ... writes the input ─ record E1 ..................... wait E2 ─ reads the output
-    side:                  wait E1 ─ collective (async) ─ wait it ─ record E2
+    side:                  wait E1 ─ collective (async_op=False) ─ record E2
 
+- The collective is issued with ``async_op=False`` inside the side stream's
+  context: c10d (torch >= 2.8) then launches the NCCL kernel on the current
+  stream, i.e. on our high-priority side stream, and returns without blocking
+  the CPU. (``async_op=True`` would run it on the process group's internal
+  stream, at normal priority, and our stream would only relay its event.)
 - Everything the collective touches (input, output) is allocated on the
   compute stream *before* switching to the side stream (the reduce-scatter's
   output too), and the Pending keeps it alive until the compute stream has
   waited E2. A block is therefore freed (to the compute stream's pool) only
   once the compute stream is ordered after the side stream's last use: no
   ``record_stream`` anywhere.
-- ``wait()`` on the side stream only orders that stream after NCCL's
-  internal stream; nothing blocks the CPU, so ``waits_block_cpu`` is False
-  and the backward schedule is FSDP2's (see [Note: gloo backward] in _unit.py
-  for what gloo does instead).
+- Nothing blocks the CPU, so ``waits_block_cpu`` is False and the backward
+  schedule is FSDP2's (see [Note: gloo backward] in _unit.py for what gloo
+  does instead).
 - The streams are created once per root (high priority, so communication
-  kernels are scheduled ahead of compute kernels queued at the same time).
-- ``runtime`` is the seam for a test double on CPU (tests/test_streams.py):
-  the protocol above is checked there; on CUDA it is torch.cuda's.
+  kernels are scheduled ahead of compute kernels queued at the same time);
+  the all-reduce stream only when an HSDP unit first needs it.
+- ``runtime`` is the seam for a test double on CPU (tests/test_streams.py,
+  tests/test_gpu_path.py): the protocol above is checked there; on CUDA it
+  is torch.cuda's.
+
+[Note: post-reduce] What follows a reduce-scatter on CUDA runs on a side
+stream, right after the collective is issued (``reduce_scatter(then=)``,
+before E2 is recorded): the post-divide, the cast to the parameters' dtype,
+the fold into ``p.grad``, and with CPU offload the device-to-host copy
+(non-blocking, into pinned memory). With HSDP it runs on the all-reduce
+stream instead, which waits E2 and issues the all-reduce first; the Pending
+then carries E3, recorded there after all of it. The compute stream waits
+E2 (E3) where it always did (the next reduce-scatter's launch, or the end of
+backward): it never runs the all-reduce or waits for a copy. Tensors made on the side stream (cast, clone, add) come from that
+stream's pool and are only reused by it after it waited a later compute
+event. Work that reads host memory written by those copies (the fold of an
+offloaded gradient) waits for one CPU synchronisation at the end of backward
+(``finish_host_work``), which also covers every host-to-device copy of the
+step's offloaded shards (``copy_in``): only after it may the optimizer
+rewrite a pinned shard that a non-blocking copy has not read yet.
 """
 from __future__ import annotations
 
@@ -68,18 +90,30 @@ class CudaRuntime:
     def use(stream):
         return torch.cuda.stream(stream)
 
+    @staticmethod
+    def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+    @staticmethod
+    def host_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    @staticmethod
+    def device_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
 
 class _EventWork:
     """A collective finished on a side stream when ``event`` completes."""
 
     def __init__(self, runtime, event, result=None):
-        self._rt, self._event, self._result = runtime, event, result
+        self._rt, self.event, self.result = runtime, event, result
 
     def wait(self):
         """Order the caller's current stream after the collective (every call:
         the caller may be on another stream the next time)."""
-        self._rt.current_stream().wait_event(self._event)
-        return self._result
+        self._rt.current_stream().wait_event(self.event)
+        return self.result
 
 
 class StreamManager:
@@ -95,14 +129,21 @@ class StreamManager:
         if runtime is not None:
             self.all_gather_stream = runtime.new_stream()
             self.reduce_scatter_stream = runtime.new_stream()
+        self._all_reduce_stream = None  # made when an HSDP unit first reduces
+        self._held: list = []           # kept alive by the post-reduce running now
+        self._host_copies = False       # a copy to or from host memory since the last sync
+        self._on_host: list = []        # work that reads such copies: after the sync
 
-    def _on(self, stream, issue):
-        """Run ``issue()`` (returns a work) on ``stream``, see [Note: side streams]."""
+    def _on(self, stream, issue, then=None):
+        """Run ``issue()`` (returns a work) on ``stream``, then ``then(result)``
+        on the same stream, see [Note: side streams]."""
         rt = self._rt
         inputs_ready = rt.current_stream().record_event()
         with rt.use(stream):
             stream.wait_event(inputs_ready)
-            result = issue().wait()  # this stream waits for NCCL's; the CPU goes on
+            result = issue().wait()  # async_op=False: already enqueued, the CPU goes on
+            if then is not None:
+                then(result)
             done = stream.record_event()
         return _EventWork(rt, done, result)
 
@@ -110,22 +151,109 @@ class StreamManager:
         if self._rt is None:
             return Pending(_collectives.all_gather(output, shard, group), (output, shard))
         work = self._on(self.all_gather_stream,
-                        lambda: _collectives.all_gather(output, shard, group))
+                        lambda: _collectives.all_gather(output, shard, group, async_op=False))
         return Pending(work, (output, shard))
 
-    def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG) -> Pending:
+    def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
+                       then=None, all_reduce: bool = False) -> Pending:
+        """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
+        run at once on a side stream (the all-reduce stream if ``all_reduce``),
+        and the Pending's ``wait()`` orders the caller after it; on gloo it is
+        ignored (the caller runs it after ``wait()``)."""
         if self._rt is None:
             return Pending(_collectives.reduce_scatter(flat_grad, group, op), (flat_grad,))
         # the output is allocated here, on the compute stream (see the Note)
         out = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size(group))
+        self._held = []
         work = self._on(self.reduce_scatter_stream,
-                        lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out))
-        return Pending(work, (flat_grad, out))
+                        lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out,
+                                                            async_op=False),
+                        None if all_reduce else then)
+        if all_reduce and then is not None:
+            if self._all_reduce_stream is None:
+                self._all_reduce_stream = self._rt.new_stream()
+            stream = self._all_reduce_stream
+            with self._rt.use(stream):
+                stream.wait_event(work.event)
+                then(out)
+                work = _EventWork(self._rt, stream.record_event(), out)
+        held, self._held = tuple(self._held), []
+        return Pending(work, (flat_grad, out) + held)
 
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:
         """Nothing to communicate (one rank): ``wait()`` returns ``result``."""
         return Pending(_collectives.Ready(result), ())
+
+    # ---------------------------------------------------------- post-reduce
+    def hold(self, t: torch.Tensor) -> None:
+        """Keep ``t`` (made on the compute stream, last read by the post-reduce
+        running now) alive until the compute stream has waited for it."""
+        if self._rt is not None:
+            self._held.append(t)
+
+    def abandon(self, pending: Pending) -> None:
+        """A collective dropped unread (a backward raised): on CUDA the compute
+        stream still waits for it, or its buffers could go back to the
+        allocator while the side stream writes them. gloo's works hold their
+        tensors themselves."""
+        if self._rt is not None:
+            pending.wait()
+
+    # --------------------------------------------------------- host copies
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, from_host: bool) -> None:
+        """Copy a shard into the unsharded flat (cast and/or host-to-device),
+        on the current (compute) stream. From host memory on CUDA: non-blocking,
+        and the end of backward synchronises before the shard can be rewritten."""
+        if self._rt is not None and from_host:
+            self._rt.host_to_device(dst, src)
+            self._host_copies = True
+        else:
+            dst.copy_(src, non_blocking=src.is_pinned())
+
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """``t`` in ``dtype`` in host memory. CUDA: a non-blocking copy on the
+        current stream into a fresh (pinned) buffer; read it only in work
+        passed to ``on_host``. gloo: a plain (blocking) ``.to``."""
+        if self._rt is None:
+            return t.to(torch.device("cpu"), dtype)
+        src = t if t.dtype == dtype else t.to(dtype)
+        dst = self._rt.host_empty(src.numel(), dtype, pin)
+        self._rt.device_to_host(dst, src)
+        self._host_copies = True
+        return dst
+
+    def on_host(self, fn) -> None:
+        """Run ``fn`` once the host copies issued so far have landed: now on
+        gloo, after the end-of-backward synchronisation on CUDA."""
+        if self._rt is None:
+            fn()
+        else:
+            self._on_host.append(fn)
+
+    @property
+    def host_work_pending(self) -> bool:
+        return self._host_copies
+
+    def finish_host_work(self) -> None:
+        """End of backward, after the compute stream waited every post-reduce:
+        ONE CPU synchronisation covers every host copy of the step, then the
+        work that reads them runs (see [Note: post-reduce])."""
+        if not self._host_copies:
+            return
+        self._rt.current_stream().record_event().synchronize()
+        self._host_copies = False
+        fns, self._on_host = self._on_host, []
+        for fn in fns:
+            fn()
+
+    def abort(self) -> None:
+        """After a backward raised (every pending already abandoned): let the
+        host copies land, drop the work that would have read them."""
+        if self._host_copies:
+            self._rt.current_stream().record_event().synchronize()
+        self._host_copies = False
+        self._on_host = []
 
     def __repr__(self) -> str:
         mode = "async-collectives" if self._rt is None else "side-streams"

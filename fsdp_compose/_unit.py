@@ -36,9 +36,11 @@ if TYPE_CHECKING:
 
 class Unit:
     def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
-                 reshard_after_forward: bool | None, label: str, mp_policy=None):
+                 reshard_after_forward: bool | None, label: str, mp_policy=None,
+                 device: torch.device = torch.device("cpu")):
         self.modules = modules
         self.groups = groups
+        self.device = device  # its mesh's device (a root without parameters takes it)
         # groups whose flat gradient we reduce (a direct group's Parameters get
         # their gradients from autograd, see [Note: world size 1]); see hook_groups
         self.trainable: list[FlatGroup] = []
