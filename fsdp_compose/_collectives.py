@@ -157,3 +157,10 @@ def all_reduce(tensor: torch.Tensor, op, group) -> None:
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_reduce_async(tensor: torch.Tensor, op, group):
+    """In-place all-reduce, not waited (small tensors: the used-flags)."""
+    _stats.all_reduce_calls += 1
+    _stats.all_reduce_bytes += _nbytes(tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)

@@ -39,6 +39,30 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
   the backward all-gather runs within its group of N ranks.
 
+[Note: parameters without a gradient]
+The flat gradient has zeros wherever a parameter got no gradient, so it
+cannot tell "no gradient" from "a zero gradient". Plain PyTorch and DDP
+(``find_unused_parameters=True``) leave ``p.grad`` None for a parameter that
+no rank produced a gradient for (Adam/AdamW would otherwise still move it:
+momentum, weight decay), and ranks must agree on it (optimizer state, and
+every later collective, depend on it). So:
+
+- each group notes, per entry, whether this rank produced a gradient: a
+  pre-hook on each split node sees None for every view that got none
+  (``_note_used``), OR-ed over the unit's uses and over the microbatches the
+  flat gradient sums (``set_requires_gradient_sync(False)``);
+- the flags travel with the reduction: a tiny all-reduce (SUM, int32, one
+  element per entry) issued right after each reduce-scatter on the same
+  process group (one per bucket), added into an HSDP partial sum and
+  all-reduced over the replicas with it; every rank learns how many ranks
+  produced each gradient, whatever its own graph was;
+- folding: an entry no rank produced a gradient for, whose ``p.grad`` is
+  None, keeps None; an entry whose sharded Parameter does not require grad
+  (``requires_grad_(False)`` after fully_shard) is never touched; every other
+  entry gets the rank average, as before.
+A rank that produced every gradient does not read the counts (all >= 1):
+on CUDA that read would be a device-to-host copy.
+
 Layout: each parameter starts at a multiple of ``ALIGN_BYTES`` (gap elements
 between parameters are padding), and the total is padded to a multiple of
 ``W × alignment`` so that every rank's shard starts aligned.
@@ -129,7 +153,7 @@ class _GradLaunch:
 
     group: "FlatGroup"
     pending: Pending     # wait() gives the reduced output
-    mode: str  # "fresh" | "accumulate" | "mixed"
+    used: Pending        # wait() gives, per entry, how many ranks produced a gradient
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     done: bool = field(default=False)
@@ -140,7 +164,64 @@ class _GradLaunch:
             self.done = True
             if self.span is not None:
                 out = out[self.span[0]:self.span[1]]
-            self.group._finish_reduce(out, self.mode, self.post_divide)
+            self.group._finish_reduce(out, self.used, self.post_divide)
+
+
+class _FlagsWork:
+    """The used-flags of one launch summed over the ranks (see [Note:
+    parameters without a gradient]): all-reduced in ``counts`` itself, or
+    carried as the last ``tail`` elements of a bucket's reduce-scatter output.
+    Waited once, shared by a bucket's groups."""
+
+    def __init__(self, pending: Pending, counts: torch.Tensor | None = None, tail: int = 0):
+        self._pending, self._counts, self._tail = pending, counts, tail
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is not None:
+            out = self._pending.wait()
+            if self._tail:  # (rank averages: > 0 where any rank had a gradient)
+                self._counts = out[out.numel() - self._tail:].float()
+            self._pending = None
+        return self._counts
+
+
+class _UsedFlags:
+    """Per entry of one group: which produced a gradient here (``local``), and
+    how many ranks did (its slice of a ``_FlagsWork``; None: world size 1)."""
+
+    def __init__(self, local: list[bool], work: _FlagsWork | None = None,
+                 span: tuple[int, int] = (0, 0)):
+        self.local, self._work, self._span = local, work, span
+        self.counts: torch.Tensor | None = None
+
+    def wait(self) -> "_UsedFlags":
+        if self._work is not None and self.counts is None:
+            self.counts = self._work.wait()[self._span[0]:self._span[1]]
+        return self
+
+    def add_(self, other: "_UsedFlags") -> "_UsedFlags":
+        """Sum with an earlier partial (HSDP without all-reduce)."""
+        self.local = [a or b for a, b in zip(self.local, other.local)]
+        if self.counts is not None and other.counts is not None:
+            self.counts.add_(other.counts)
+        return self
+
+    def any_rank(self) -> list[bool] | None:
+        """Per entry: did any rank produce a gradient; None: every entry did
+        here, so nothing needs reading."""
+        if all(self.local):
+            return None
+        if self.counts is None:
+            return self.local
+        return [c > 0 for c in self.counts.tolist()]
+
+
+def _flags_tensor(flags: list[bool], device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    t = torch.tensor(flags, dtype=dtype)
+    if device.type == "cuda":  # no sync: from pinned memory, on the current stream
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class FlatGroup:
@@ -156,7 +237,9 @@ class FlatGroup:
         floating = self.dtype.is_floating_point
         self.compute_dtype = param_dtype if (param_dtype and floating) else self.dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.compute_dtype
+        # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
         self.requires_grad: bool = first.requires_grad
+        self._trains: tuple[bool, ...] = (first.requires_grad,) * len(params)
         self.world, self.rank = world, rank
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
@@ -214,6 +297,9 @@ class FlatGroup:
                 e.local_range, e.shard_range = (a - e.offset, b - e.offset), (a - lo, b - lo)
 
         self._grad_hook = None
+        self._hooked_flat = None   # the flat tensor the grad hook is registered on
+        self._views_stale = False  # sync_requires_grad changed what the views must be
+        self._used = [False] * len(entries)  # see [Note: parameters without a gradient]
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
             for e, (p, _, _), local in zip(entries, params, locals_):
@@ -227,7 +313,7 @@ class FlatGroup:
         self._pending: Pending | None = None
         self._pf_shard: torch.Tensor | None = None   # post-forward shard (PARTIAL)
         self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
-        self._partial: torch.Tensor | None = None    # HSDP: reduce-scattered, not all-reduced
+        self._partial: tuple | None = None  # HSDP: (reduce-scattered, flags), not all-reduced
         self.unsharded_version = -1                  # shard._version when last gathered
 
     # ------------------------------------------------------------- storage
@@ -240,8 +326,8 @@ class FlatGroup:
         if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
             shard = shard.pin_memory()
         self.shard = shard
-        for e in self.entries:
-            e.sharded = nn.Parameter(e.piece(shard), requires_grad=self.requires_grad)
+        for e, trains in zip(self.entries, self._trains):
+            e.sharded = nn.Parameter(e.piece(shard), requires_grad=trains)
         self._aliased = self.world == 1 and not self._copies_in
         if self._aliased:
             self.flat = shard.data  # alias, own version counter; never freed
@@ -251,14 +337,38 @@ class FlatGroup:
         # `.data` shares storage but not the version counter: writing the
         # all-gather into it does not invalidate tensors saved for backward.
         self.flat_data = self.flat.data
-        if self._grad_hook is not None:
-            self.flat.register_post_accumulate_grad_hook(self._grad_hook)
+        self._hook_flat()
         self.refresh_views()
         self._free_flat()
 
     def set_grad_hook(self, hook) -> None:
+        """``hook`` runs when the flat gradient is accumulated (the post-backward);
+        registered whenever the flat requires grad (see sync_requires_grad)."""
         self._grad_hook = hook
-        self.flat.register_post_accumulate_grad_hook(hook)
+        self._hook_flat()
+
+    def _hook_flat(self) -> None:
+        if self._grad_hook is not None and self.flat.requires_grad \
+                and self._hooked_flat is not self.flat:
+            self.flat.register_post_accumulate_grad_hook(self._grad_hook)
+            self._hooked_flat = self.flat
+
+    def sync_requires_grad(self) -> bool:
+        """Follow ``requires_grad_()`` called on the sharded Parameters after
+        fully_shard (pre-forward, every rank alike). A frozen entry's view is
+        detached from the flat (no gradient, never folded into); a group with
+        no trainable entry left stops requiring grad (no reduce-scatter), and
+        starts again when one trains. Returns True when something changed."""
+        trains = tuple(e.sharded.requires_grad for e in self.entries)
+        if trains == self._trains:
+            return False
+        self._trains = trains
+        self.requires_grad = any(trains)
+        if not self.direct:  # (a direct group's Parameters are autograd's own leaves)
+            self.flat.requires_grad_(self.requires_grad)
+            self._hook_flat()
+            self._views_stale = True  # re-made at the next unshard (storage needed)
+        return True
 
     def materialize_(self, device: torch.device) -> None:
         """Give a group built on the meta device real (uninitialised) storage.
@@ -284,15 +394,27 @@ class FlatGroup:
             self.split_node = None
             return
         chunks = torch.split(self.flat, self._split_sizes)
-        for e, i in zip(self.entries, self._view_at):
-            v = chunks[i].view(e.shape)
+        for e, i, trains in zip(self.entries, self._view_at, self._trains):
+            v = chunks[i] if trains else chunks[i].detach()
+            v = v.view(e.shape)
             if e.tp is not None:  # the module sees its TP DTensor; grads flow to v
                 v = DTensor.from_local(v, e.tp.mesh, e.tp.placements, run_check=False,
                                        shape=e.tp.shape, stride=e.tp.stride)
             e.unsharded = v
         # the node that assembles flat.grad from the views' gradients (None: no grad)
         self.split_node = chunks[0].grad_fn
+        if self.split_node is not None:
+            self.split_node.register_prehook(self._note_used)
         self._views_installed = False
+        self._views_stale = False
+
+    def _note_used(self, grad_outputs) -> None:
+        """The split node's pre-hook: which views got a gradient (None: none),
+        see [Note: parameters without a gradient]."""
+        used = self._used
+        for k, i in enumerate(self._view_at):
+            if grad_outputs[i] is not None:
+                used[k] = True
 
     def install_sharded(self) -> None:
         for e in self.entries:
@@ -405,22 +527,25 @@ class FlatGroup:
     # The gradient shard is held only by the p.grad views (through their
     # ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
     # We keep weak references, to recognise our views and accumulate into them.
-    def _adopt_grad_shard(self, buf: torch.Tensor) -> None:
-        views = [e.piece(buf) for e in self.entries]
-        for e, v in zip(self.entries, views):
-            e.sharded.grad = v
-        self._grad_shard_ref = weakref.ref(buf)
-        self._grad_view_refs = [weakref.ref(v) for v in views]
+    def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
+        """``buf`` becomes the gradient shard of the entries in ``take``."""
+        refs = []
+        for e, t in zip(self.entries, take):
+            v = None
+            if t:
+                v = e.piece(buf)
+                e.sharded.grad = v
+            refs.append(weakref.ref(v) if v is not None else None)
+        self._grad_shard_ref = weakref.ref(buf) if all(take) else None
+        self._grad_view_refs = refs
 
-    def _grad_mode(self) -> str:
-        """fresh: no p.grad is set; accumulate: every p.grad is our view; else mixed."""
-        grads = [e.sharded.grad for e in self.entries]
-        if all(g is None for g in grads):
-            return "fresh"
+    def _our_views(self) -> bool:
+        """Every p.grad is still the view of one gradient shard we adopted."""
         refs = self._grad_view_refs
-        if refs is not None and all(g is r() for g, r in zip(grads, refs)):
-            return "accumulate"
-        return "mixed"
+        if refs is None or self._grad_shard_ref is None or self._grad_shard_ref() is None:
+            return False
+        return all(r is not None and r() is not None and e.sharded.grad is r()
+                   for e, r in zip(self.entries, refs))
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -438,13 +563,21 @@ class FlatGroup:
         else:
             self._unsynced.add_(g)
 
+    def drop_grad(self) -> None:
+        """Forget the flat gradient and flags of a backward that raised midway."""
+        self.flat.grad = None
+        self._unsynced = None
+        self._used = [False] * len(self.entries)
+
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
-        flat_grad, mode, pre, post = self.take_grad()
+        flat_grad, used, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, streams.ready(flat_grad), mode, post)
+            return _GradLaunch(self, streams.ready(flat_grad), _UsedFlags(used), post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
-        return _GradLaunch(self, streams.reduce_scatter(flat_grad, self.rs_pg, op), mode, post)
+        pending = streams.reduce_scatter(flat_grad, self.rs_pg, op)
+        flags = _exchange_flags([used], self.rs_pg, self.device, streams)
+        return _GradLaunch(self, pending, flags[0], post)
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
@@ -452,7 +585,7 @@ class FlatGroup:
 
     def take_grad(self):
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
-        microbatches added, pre-divided. Returns (flat_grad, fold mode, pre, post)."""
+        microbatches added, pre-divided. Returns (flat_grad, used flags, pre, post)."""
         flat_grad = self.flat.grad
         self.flat.grad = None
         if flat_grad is None:
@@ -462,53 +595,84 @@ class FlatGroup:
         if self._unsynced is not None:
             flat_grad = flat_grad.add_(self._unsynced)
             self._unsynced = None
-        mode = self._grad_mode()
+        used, self._used = self._used, [False] * len(self.entries)
         pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
         if pre is not None:
             flat_grad.div_(pre)
-        return flat_grad, mode, pre, post
+        return flat_grad, used, pre, post
 
-    def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None) -> None:
+    def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None) -> None:
+        used.wait()
         if self.replicate_pg is not None:  # HSDP: then across the replicas
             if self._partial is not None:
-                out = out.add_(self._partial)
+                p_out, p_used = self._partial
+                out = out.add_(p_out)
+                used.add_(p_used)
                 self._partial = None
             if not self.requires_all_reduce:
-                self._partial = out  # p.grad is left alone until an all-reduced backward
+                self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
                 return
             op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
             _collectives.all_reduce(out, op, self.replicate_pg)
+            if used.counts is None:  # (shard world size 1: the flags were local)
+                used.counts = _flags_tensor(used.local, self.device)
+            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, self.replicate_pg)
         if post is not None:
             out.div_(post)
         if out.dtype != self.dtype or out.device != self.shard_device:
             out = out.to(self.shard_device, self.dtype)  # (offload: device-to-host)
-        self._fold_grad(out, mode)
+        self._fold_grad(out, used.any_rank())
 
-    def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
+    def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
+        """Add this reduction into p.grad, see [Note: parameters without a gradient].
+        ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
-            if mode == "fresh":
-                self._adopt_grad_shard(out)
-            elif mode == "accumulate":
-                buf = self._grad_shard_ref()
-                if buf is not None:
-                    buf.add_(out)
-                else:  # adopted a view of a bucket's output: only the p.grad views hold it
-                    for e in self.entries:
-                        e.sharded.grad.add_(e.piece(out))
-            else:  # some p.grad were set to None or replaced by the user
-                for e in self.entries:
-                    piece = e.piece(out)
-                    g = e.sharded.grad
-                    if g is None:
-                        e.sharded.grad = piece.clone()
-                    else:
-                        g.add_(piece.view_as(g))
+            entries = self.entries
+            if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
+                take = [t and (any_rank is None or any_rank[k])
+                        for k, t in enumerate(self._trains)]
+                if any(take):
+                    self._adopt_grad_shard(out, take)
+                return
+            if all(self._trains) and self._our_views():
+                self._grad_shard_ref().add_(out)  # accumulation without zero_grad
+                return
+            # some p.grad were set to None (a partial zero_grad), replaced by
+            # the user, or left by a view of a bucket's output: one by one
+            refs = list(self._grad_view_refs or [None] * len(entries))
+            for k, e in enumerate(entries):
+                if not self._trains[k]:
+                    continue  # frozen: backward leaves p.grad alone
+                g = e.sharded.grad
+                piece = e.piece(out)
+                if g is not None:
+                    g.add_(piece.view_as(g))
+                elif any_rank is None or any_rank[k]:
+                    e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
+                    refs[k] = None
+            self._grad_view_refs = refs
 
     def __repr__(self) -> str:
         dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.state.name})")
+
+
+def _exchange_flags(used: list[list[bool]], pg, device, streams: StreamManager) -> list:
+    """Issue the all-reduce that tells every rank how many ranks produced each
+    entry's gradient, for several groups' flags at once (see [Note: parameters
+    without a gradient]); one ``_UsedFlags`` per group."""
+    counts = _flags_tensor([f for flags in used for f in flags], device)
+    return _share_flags(used, _FlagsWork(streams.all_reduce(counts, pg, dist.ReduceOp.SUM), counts))
+
+
+def _share_flags(used: list[list[bool]], work: _FlagsWork) -> list:
+    out, at = [], 0
+    for flags in used:
+        out.append(_UsedFlags(flags, work, (at, at + len(flags))))
+        at += len(flags)
+    return out
 
 
 def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
@@ -518,19 +682,25 @@ def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_Grad
     (one ``cat`` of the flat gradients viewed as (W, S_i)), so the output is
     every group's gradient shard end to end; each group adopts its slice
     (a view). For many small units, where a collective's latency dominates
-    its bytes: one collective instead of one per unit, for one copy.
+    its bytes: one collective instead of one per unit, for one copy. The
+    groups' used-flags ride along: E more columns (one per entry, the same
+    on every rank), so every rank's output ends with their rank average.
     """
     first = groups[0]
     if first.world == 1 or len(groups) == 1:  # nothing to merge: no copy
         return [g.launch_reduce_scatter(streams) for g in groups]
     taken = [g.take_grad() for g in groups]
     W = first.world
-    flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)], dim=1)
+    used = [t[1] for t in taken]
+    flags = _flags_tensor([f for u in used for f in u], first.device, first.reduce_dtype)
+    flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)]
+                     + [flags.expand(W, flags.numel())], dim=1)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op)  # waited once, shared
+    flags = _share_flags(used, _FlagsWork(pending, tail=flags.numel()))
     launches, at = [], 0
-    for g, (_, mode, _, post) in zip(groups, taken):
-        launches.append(_GradLaunch(g, pending, mode, post, (at, at + g.shard_numel)))
+    for g, (_, _, _, post), used in zip(groups, taken, flags):
+        launches.append(_GradLaunch(g, pending, used, post, (at, at + g.shard_numel)))
         at += g.shard_numel
     return launches
 

@@ -18,7 +18,10 @@ units whose forward ran with a backward to follow:
   every unit before it in that order is gathered first (once per backward).
 - Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
   pre-forward (the order their gradients complete: the root, whose first
-  parameters are used first, last). A unit whose gradients are ready waits
+  parameters are used first, last), then the units that accumulated a
+  gradient in an earlier backward without sync and did not run in this one
+  (``_unsynced``: their gradient belongs to this step, as DDP's no_sync
+  keeps it in p.grad). A unit whose gradients are ready waits
   until every trainable unit before it was issued; the root's final callback
   issues the rest, zero-filled where this rank produced no gradient. They run
   on a second process group over the same ranks, so the two streams of
@@ -99,6 +102,9 @@ class RootContext:
         self._bucket_bytes = 0                   # ... and their flat gradients' size
         self._following: list | None = None      # see _next_reduced_bytes
         self.accumulated = False                # a flat gradient arrived in this backward
+        # units in the reduce order of a backward without gradient sync, not
+        # reduced since: every rank alike (see the Note)
+        self._unsynced: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
 
@@ -165,9 +171,11 @@ class RootContext:
         if i is None:
             return False
         units, total = [], 0
+        backward = self._callback_queued
         for v in order[i:]:
             nbytes = v.gather_bytes()
-            if nbytes is None or (units and total + nbytes > limit):
+            if nbytes is None or (units and total + nbytes > limit) \
+                    or (backward and not v.unshard_in_backward):
                 break
             units.append(v)
             total += nbytes
@@ -207,13 +215,17 @@ class RootContext:
 
     def reduce_order(self) -> list[Unit]:
         if self._order is None:
-            self._order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+            order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+            self._order = order + [u for u in self._unsynced
+                                   if u not in self._grad_follows and u.requires_gradient_sync]
         return self._order
 
-    def unshard_for_backward(self, unit: Unit) -> None:
-        """Issue the all-gather of ``unit`` and, first, of every unit before it
-        in the gather order; then prefetch (no wait). Prefetching is more of
-        the same prefix, so it never reorders collectives."""
+    def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
+        """Issue the all-gather of ``unit`` (unless not ``need``ed: see
+        set_unshard_in_backward) and, first, of every unit before it in the
+        gather order; then prefetch (no wait). Prefetching is more of the same
+        prefix, so it never reorders collectives. Units that do not unshard in
+        backward are skipped in that order, on every rank alike."""
         if unit in self._grad_follows:
             # On gloo a unit resharded after forward prefetches once its
             # gradients are computed, see [Note: gloo backward] in _unit.py; a
@@ -221,7 +233,8 @@ class RootContext:
             # no hook (frozen), prefetches now.
             late = unit.grads_hooked and unit.reshard_after_forward
             self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
-        unit.unshard()
+        if need:
+            unit.unshard()
 
     def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
         pos = self._gather_positions()
@@ -247,7 +260,9 @@ class RootContext:
     def _gather_up_to(self, stop: int) -> None:
         while self._gather_next <= stop:
             self._gather_next += 1
-            self._gather_order[self._gather_next - 1].unshard()
+            unit = self._gather_order[self._gather_next - 1]
+            if unit.unshard_in_backward:
+                unit.unshard()
 
     def grads_ready(self, unit: Unit) -> None:
         if not unit.requires_gradient_sync:
@@ -340,6 +355,11 @@ class RootContext:
             self._gather_up_to(len(self._gather_positions()) - 1)
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
                 self._issue_in_order(final=True)
+                for u in self.reduce_order():
+                    if u.trainable and not u.requires_gradient_sync:
+                        self._unsynced[u] = None
+                    elif u.requires_gradient_sync:
+                        self._unsynced.pop(u, None)
             if self.root.is_last_backward:
                 self._drain()
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
@@ -363,9 +383,10 @@ class RootContext:
 
     def _abort_step(self) -> None:
         self._in_flight = []
+        self._unsynced.clear()  # (drop_grad below forgets what they accumulated)
         for u in self.units:
             for g in u.groups:
-                g.flat.grad = None
+                g.drop_grad()
             u.finish_backward()
         self._reset_backward()
         self._new_step = True

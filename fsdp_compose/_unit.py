@@ -40,7 +40,8 @@ class Unit:
         self.modules = modules
         self.groups = groups
         # groups whose flat gradient we reduce (a direct group's Parameters get
-        # their gradients from autograd, see [Note: world size 1])
+        # their gradients from autograd, see [Note: world size 1]); follows
+        # requires_grad_() on the Parameters (see _sync_requires_grad)
         self.trainable = [g for g in groups if g.requires_grad and not g.direct]
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
@@ -48,6 +49,9 @@ class Unit:
         # False: stay gathered after backward (the next forward all-gathers
         # nothing, unless an optimizer step changed a shard meanwhile)
         self.reshard_after_backward = True
+        # False (set_unshard_in_backward): backward does not need the parameters
+        # (e.g. an embedding): no all-gather for this unit in backward
+        self.unshard_in_backward = True
         self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
         self.kept_after_backward = False  # left gathered by the last backward (see above)
         mp = mp_policy
@@ -75,9 +79,10 @@ class Unit:
         self.requires_gradient_sync = True
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
-        self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
-        for g in self.trainable:
-            g.set_grad_hook(self._make_grad_hook(g))
+        self._ready: set[FlatGroup] = set()  # trainable groups whose grad arrived this backward
+        for g in groups:
+            if not g.direct:  # (registered on the flat whenever it requires grad)
+                g.set_grad_hook(self._make_grad_hook(g))
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
@@ -170,6 +175,7 @@ class Unit:
                 ctx.root_pre_forward()
             self._assert_state(TrainingState.IDLE, where="pre_forward")
             trace("pre_forward", self.fqn, self.state.name)
+            self._sync_requires_grad()
             self.state = TrainingState.FORWARD
             ctx.record_forward(self)
             with label("pre_forward", self.fqn):
@@ -179,6 +185,15 @@ class Unit:
                 self.wait_for_unshard()
         self._forward_depth += 1
         return self._cast(self._cast_inputs, (args, kwargs))
+
+    def _sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_()`` called on the sharded Parameters since the
+        last forward (see FlatGroup.sync_requires_grad)."""
+        changed = False
+        for g in self.groups:
+            changed |= g.sync_requires_grad()
+        if changed:
+            self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
 
     @staticmethod
     def _cast(dtype, tree):
@@ -202,8 +217,10 @@ class Unit:
         """
         if torch.is_grad_enabled():
             hook = self.ctx.streams.waits_block_cpu
-            for g in self.trainable:
-                if g._aliased:
+            for g in self.groups:
+                trains = g.requires_grad and not g.direct
+                # (any group whose requires_grad changed: its views must follow)
+                if not (g._views_stale or (trains and not g._aliased)):
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
@@ -298,22 +315,20 @@ class Unit:
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
         with label("pre_backward", self.fqn):
-            self.ctx.unshard_for_backward(self)
+            self.ctx.unshard_for_backward(self, need=self.unshard_in_backward)
             self.wait_for_unshard()
 
     def _make_grad_hook(self, group: FlatGroup):
-        idx = self.trainable.index(group)
-
         def hook(_flat: torch.Tensor) -> None:
-            self._on_grad_accumulated(idx)
+            self._on_grad_accumulated(group)
 
         return hook
 
-    def _on_grad_accumulated(self, idx: int) -> None:
+    def _on_grad_accumulated(self, group: FlatGroup) -> None:
         ctx = self._ensure_ctx()
         ctx.on_backward_hook()
         ctx.accumulated = True
-        self._ready.add(idx)
+        self._ready.add(group)
         if len(self._ready) < len(self.trainable):
             return
         if self._uses_seen < self.uses and ctx.in_nested_backward():
