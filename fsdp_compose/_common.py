@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import Iterator
 
 import torch
@@ -27,6 +28,23 @@ class ShardedState(enum.Enum):
     UNSHARDING = enum.auto()  # all-gather issued, not yet waited
     UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
+
+
+def weak_hook(obj, method: str, *refs):
+    """A hook calling ``obj.<method>(*refs(), *hook_args)`` that keeps neither
+    ``obj`` nor ``refs`` alive. Autograd nodes and tensors hold their hooks in
+    C++, where the garbage collector cannot see a cycle through them: a strong
+    hook would keep the whole sharded model alive for the life of the process."""
+    me = weakref.ref(obj)
+    args = [weakref.ref(r) for r in refs]
+
+    def hook(*hook_args):
+        o = me()
+        if o is None:
+            return None
+        return getattr(o, method)(*(a() for a in args), *hook_args)
+
+    return hook
 
 
 def rank() -> int:

@@ -79,7 +79,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives
-from ._common import ShardedState, unit_error
+from ._common import ShardedState, unit_error, weak_hook
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
@@ -404,7 +404,7 @@ class FlatGroup:
         # the node that assembles flat.grad from the views' gradients (None: no grad)
         self.split_node = chunks[0].grad_fn
         if self.split_node is not None:
-            self.split_node.register_prehook(self._note_used)
+            self.split_node.register_prehook(weak_hook(self, "_note_used"))
         self._views_installed = False
         self._views_stale = False
 

@@ -19,7 +19,6 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import ShardedState, TrainingState, label, trace, unit_error
+from ._common import ShardedState, TrainingState, label, trace, unit_error, weak_hook
 from ._flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ class Unit:
         self._ready: set[FlatGroup] = set()  # trainable groups whose grad arrived this backward
         for g in groups:
             if not g.direct:  # (registered on the flat whenever it requires grad)
-                g.set_grad_hook(self._make_grad_hook(g))
+                g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
@@ -224,7 +223,7 @@ class Unit:
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    g.split_node.register_prehook(functools.partial(self._grads_computed, g))
+                    g.split_node.register_prehook(weak_hook(self, "_grads_computed", g))
                     self.grads_hooked = True
 
     def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
@@ -318,13 +317,7 @@ class Unit:
             self.ctx.unshard_for_backward(self, need=self.unshard_in_backward)
             self.wait_for_unshard()
 
-    def _make_grad_hook(self, group: FlatGroup):
-        def hook(_flat: torch.Tensor) -> None:
-            self._on_grad_accumulated(group)
-
-        return hook
-
-    def _on_grad_accumulated(self, group: FlatGroup) -> None:
+    def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
         ctx = self._ensure_ctx()
         ctx.on_backward_hook()
         ctx.accumulated = True
