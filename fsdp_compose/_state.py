@@ -26,6 +26,12 @@ units whose forward ran with a backward to follow:
   issues the rest, zero-filled where this rank produced no gradient. They run
   on a second process group over the same ranks, so the two streams of
   collectives cannot block each other.
+- Both orders include the units that ran as a no-grad island of the training
+  forward (a reentrant checkpoint: its recomputation in backward gathers
+  them, and their gradients come from a nested backward), at the place of
+  their forward: a rank whose graph reaches them at another moment still
+  issues the same collectives. If they are never recomputed, the final
+  callback gathers them and reduces zeros (their ``p.grad`` stays None).
 (One order for both gathered the whole model at the root's pre-backward.)
 Ranks never diverge, and a parameter used on only some ranks still gets the
 rank-average gradient. At most one unit's reduce-scatters are in flight at a
@@ -86,6 +92,10 @@ class RootContext:
         self._new_step = True
         self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
         self._grad_follows: dict[Unit, None] = {}  # ... whose outputs will see a backward,
+        # ... and those that ran as a no-grad island of the training forward
+        # (a reentrant checkpoint recomputes them in backward): the units of
+        # the two backward orders, see the Note
+        self._in_orders: dict[Unit, None] = {}
                                                    # in last-post-forward order
         # per backward
         self._callback_queued = False
@@ -117,6 +127,7 @@ class RootContext:
             self._new_step = False
             self._step_order.clear()
             self._grad_follows.clear()
+            self._in_orders.clear()
             for u in self.units:
                 u.uses = 0
                 # left unsharded by a forward with no backward: may be stale
@@ -194,9 +205,14 @@ class RootContext:
                     gather_bucket(groups, self.streams)
         return True
 
-    def expect_backward(self, unit: Unit) -> None:
-        self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
-        self._grad_follows[unit] = None
+    def expect_backward(self, unit: Unit, island: bool = False) -> None:
+        """``unit``'s forward ended with a backward to follow, or (``island``)
+        ran without grad inside the training forward."""
+        if not island:
+            self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
+            self._grad_follows[unit] = None
+        self._in_orders.pop(unit, None)
+        self._in_orders[unit] = None
 
     def expects_backward(self, unit: Unit) -> bool:
         return unit in self._grad_follows
@@ -215,9 +231,9 @@ class RootContext:
 
     def reduce_order(self) -> list[Unit]:
         if self._order is None:
-            order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+            order = [u for u in reversed(self._step_order) if u in self._in_orders]
             self._order = order + [u for u in self._unsynced
-                                   if u not in self._grad_follows and u.requires_gradient_sync]
+                                   if u not in self._in_orders and u.requires_gradient_sync]
         return self._order
 
     def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
@@ -226,7 +242,7 @@ class RootContext:
         gather order; then prefetch (no wait). Prefetching is more of the same
         prefix, so it never reorders collectives. Units that do not unshard in
         backward are skipped in that order, on every rank alike."""
-        if unit in self._grad_follows:
+        if unit in self._in_orders:
             # On gloo a unit resharded after forward prefetches once its
             # gradients are computed, see [Note: gloo backward] in _unit.py; a
             # unit that kept its parameters (the root), or whose gradients have
@@ -248,12 +264,12 @@ class RootContext:
 
     def prefetch_backward_late(self, unit: Unit) -> None:
         """See [Note: gloo backward] in _unit.py (a no-op for what was prefetched)."""
-        if unit in self._grad_follows:
+        if unit in self._in_orders:
             self._gather_up_to(self._prefetch_stop(unit))
 
     def _gather_positions(self) -> dict[Unit, int]:
         if self._gather_order is None:
-            self._gather_order = list(reversed(self._grad_follows))
+            self._gather_order = list(reversed(self._in_orders))
             self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
         return self._gather_pos
 
@@ -267,7 +283,7 @@ class RootContext:
     def grads_ready(self, unit: Unit) -> None:
         if not unit.requires_gradient_sync:
             return  # flat.grad stays and accumulates; the next synced backward reduces it
-        if unit in self._launched or unit not in self._grad_follows:
+        if unit in self._launched or unit not in self._in_orders:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
             # or a unit outside the backward order (reentrant recomputation): now
             self._launch(unit)

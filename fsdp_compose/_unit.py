@@ -283,6 +283,8 @@ class Unit:
         grad_follows = torch.is_grad_enabled() and bool(outs)
         if grad_follows:
             self.ctx.expect_backward(self)
+        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
+            self.ctx.expect_backward(self, island=True)  # see [Note: collective order]
         # An eval forward (no backward follows, and not inside a training
         # forward of the root, where a no-grad island is e.g. a reentrant
         # checkpoint whose recomputation wants the parameters) frees them

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
 
@@ -39,30 +40,40 @@ STEPS = 4
 
 
 class Blk(nn.Module):
-    def __init__(self):
+    """``scalar``: with a 0-dim parameter, which keeps the unit on the flat
+    path at world size 1 (a 0-dim parameter's shard stays 1-D)."""
+
+    def __init__(self, scalar=False):
         super().__init__()
         self.l1 = nn.Linear(D, D)
         self.l2 = nn.Linear(D, D)
+        self.s = nn.Parameter(torch.tensor(0.9)) if scalar else None
 
     def forward(self, x, use_l2=True):
         h = torch.tanh(self.l1(x))
         z = self.l2(h)  # computed either way
-        return x + (z if use_l2 else h)
+        y = x + (z if use_l2 else h)
+        return y * self.s if self.s is not None else y
 
 
 class UnusedNet(nn.Module):
     """``a.l2``: output unused on every rank (part of a unit); ``b``: output
     used on rank 0 only; ``c``: runs, output unused on every rank; ``d``: runs
-    on even steps only."""
+    on even steps only. ``ac``: ``a`` under activation checkpointing."""
 
-    def __init__(self):
+    def __init__(self, scalar=False, ac=None):
         super().__init__()
         self.inp = nn.Linear(3, D)
-        self.a, self.b, self.c, self.d = Blk(), Blk(), Blk(), Blk()
+        self.a, self.b, self.c, self.d = (Blk(scalar) for _ in range(4))
         self.out = nn.Linear(D, 1)
+        self.ac = ac
 
     def forward(self, x, rank, step):
-        h = self.a(self.inp(x), use_l2=False)
+        h = self.inp(x)
+        if self.ac is None:
+            h = self.a(h, use_l2=False)
+        else:
+            h = checkpoint(self.a, h, False, use_reentrant=self.ac == "reentrant")
         hb = self.b(h)
         self.c(h)
         if rank == 0:
@@ -154,10 +165,10 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
 
 # ------------------------------------------------------ 2. freezing after sharding
 class FreezeNet(nn.Module):
-    def __init__(self):
+    def __init__(self, scalar=False):
         super().__init__()
         self.inp = nn.Linear(3, D)
-        self.layers = nn.ModuleList([Blk() for _ in range(3)])
+        self.layers = nn.ModuleList([Blk(scalar) for _ in range(3)])
         self.out = nn.Linear(D, 1)
 
     def forward(self, x, skip=()):
@@ -169,23 +180,24 @@ class FreezeNet(nn.Module):
 
 
 def global_step(model, ref, step, rank, world, micro=0, fwd=None):
-    """Our loss on this rank's batch; the reference's on every rank's, averaged."""
-    fwd = fwd or (lambda m, x: m(x))
+    """Our loss on this rank's batch; the reference's on every rank's (each
+    with its rank's control flow), averaged."""
+    fwd = fwd or (lambda m, x, r: m(x))
     x, y = batch(step, rank, micro)
-    (fwd(model, x) - y).pow(2).mean().backward()
+    (fwd(model, x, rank) - y).pow(2).mean().backward()
     ref_loss = 0
     for r in range(world):
         xr, yr = batch(step, r, micro)
-        ref_loss = ref_loss + (fwd(ref, xr) - yr).pow(2).mean() / world
+        ref_loss = ref_loss + (fwd(ref, xr, r) - yr).pow(2).mean() / world
     ref_loss.backward()
 
 
-def freeze(rank, world, per_unit=False, flat_at_1=False):
+def freeze(rank, world, per_unit=False, flat_at_1=False, scalar=False):
     """Steps 1-2: ``layers.0.l1.weight`` (part of a unit), all of ``layers.1``
     and ``out.bias`` (part of the root) frozen; step 3 on: all trainable again,
     including ``layers.2``, frozen since before fully_shard."""
     torch.manual_seed(0)
-    model = FreezeNet()
+    model = FreezeNet(scalar)
     model.layers[2].requires_grad_(False)
     ref = copy.deepcopy(model)
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if flat_at_1 else {}
@@ -261,13 +273,40 @@ def unsynced_unit(rank, world, per_unit=False):
     opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
 
     def fwd(micro):
-        return lambda m, x: m(x, skip=() if micro == 0 else (1,))
+        return lambda m, x, r: m(x, skip=() if micro == 0 else (1,))
 
     problems = []
     for step in range(3):
         for micro in range(4):
             model.set_requires_gradient_sync(micro == 3)
             global_step(model, ref, step, rank, world, micro, fwd(micro))
+        problems += grad_problems(model, ref, world, f"step {step}")
+        opt.step()
+        ref_opt.step()
+        problems += param_problems(model, ref, world, f"step {step}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return problems
+
+
+def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=False):
+    """UnusedNet against one process looping over every rank's batch and
+    control flow: under activation checkpointing (``a``), with 0-dim
+    parameters (``scalar``), or over two microbatches the first of which does
+    not sync gradients (flags of both count)."""
+    torch.manual_seed(0)
+    model = UnusedNet(scalar, ac)
+    ref = copy.deepcopy(model)
+    shard_units(model, [model.a, model.b, model.c, model.d], per_unit)
+    opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
+    problems = []
+    for step in range(STEPS):
+        micros = 2 if no_sync else 1
+        for micro in range(micros):
+            model.set_requires_gradient_sync(micro == micros - 1)
+            # the second microbatch: what ran on even steps runs on odd ones
+            global_step(model, ref, step, rank, world, micro,
+                        lambda m, x, r: m(x, r, step + micro) / micros)
         problems += grad_problems(model, ref, world, f"step {step}")
         opt.step()
         ref_opt.step()
@@ -289,6 +328,14 @@ def _scenarios(world: int) -> dict:
         out[f"partial_optimizers_{tag}"] = functools.partial(partial_optimizers,
                                                              per_unit=per_unit)
         out[f"unsynced_unit_{tag}"] = functools.partial(unsynced_unit, per_unit=per_unit)
+        out[f"unused_no_sync_{tag}"] = functools.partial(unused_vs_one, no_sync=True,
+                                                         per_unit=per_unit)
+        for ac in ("reentrant", "non_reentrant"):
+            out[f"unused_{ac}_{tag}"] = functools.partial(unused_vs_one, ac=ac,
+                                                          per_unit=per_unit)
+    out["unused_scalar"] = functools.partial(unused_vs_one, scalar=True)
+    out["unused_scalar_no_sync"] = functools.partial(unused_vs_one, scalar=True, no_sync=True)
+    out["freeze_scalar"] = functools.partial(freeze, scalar=True)
     if world == 1:  # the flat path at world size 1 (offload: not a direct group)
         out["unused_flat_at_1"] = functools.partial(unused_vs_ddp, flat_at_1=True)
         out["unused_keep_flat_at_1"] = functools.partial(unused_vs_ddp, mode="keep",
