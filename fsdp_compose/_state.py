@@ -18,10 +18,10 @@ units whose forward ran with a backward to follow:
   every unit before it in that order is gathered first (once per backward).
 - Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
   pre-forward (the order their gradients complete: the root, whose first
-  parameters are used first, last), then the units that accumulated a
-  gradient in an earlier backward without sync and did not run in this one
-  (``_unsynced``: their gradient belongs to this step, as DDP's no_sync
-  keeps it in p.grad). A unit whose gradients are ready waits
+  parameters are used first, last), then the units whose reduction an
+  earlier backward left unfinished (without gradient sync, or HSDP without
+  the all-reduce) and that did not run in this one (``_pending``: their
+  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A unit whose gradients are ready waits
   until every trainable unit before it was issued; the root's final callback
   issues the rest, zero-filled where this rank produced no gradient. They run
   on a second process group over the same ranks, so the two streams of
@@ -112,9 +112,10 @@ class RootContext:
         self._bucket_bytes = 0                   # ... and their flat gradients' size
         self._following: list | None = None      # see _next_reduced_bytes
         self.accumulated = False                # a flat gradient arrived in this backward
-        # units in the reduce order of a backward without gradient sync, not
-        # reduced since: every rank alike (see the Note)
-        self._unsynced: dict[Unit, None] = {}
+        # units in the reduce order of a backward that did not finish their
+        # reduction (Unit.completes_reduction), not finished since: every rank
+        # alike (see the Note)
+        self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
 
@@ -232,8 +233,8 @@ class RootContext:
     def reduce_order(self) -> list[Unit]:
         if self._order is None:
             order = [u for u in reversed(self._step_order) if u in self._in_orders]
-            self._order = order + [u for u in self._unsynced
-                                   if u not in self._in_orders and u.requires_gradient_sync]
+            self._order = order + [u for u in self._pending
+                                   if u not in self._in_orders and u.completes_reduction()]
         return self._order
 
     def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
@@ -372,10 +373,10 @@ class RootContext:
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
                 self._issue_in_order(final=True)
                 for u in self.reduce_order():
-                    if u.trainable and not u.requires_gradient_sync:
-                        self._unsynced[u] = None
-                    elif u.requires_gradient_sync:
-                        self._unsynced.pop(u, None)
+                    if u.trainable and not u.completes_reduction():
+                        self._pending[u] = None
+                    else:
+                        self._pending.pop(u, None)
             if self.root.is_last_backward:
                 self._drain()
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
@@ -399,7 +400,7 @@ class RootContext:
 
     def _abort_step(self) -> None:
         self._in_flight = []
-        self._unsynced.clear()  # (drop_grad below forgets what they accumulated)
+        self._pending.clear()  # (drop_grad below forgets what they accumulated)
         for u in self.units:
             for g in u.groups:
                 g.drop_grad()

@@ -342,6 +342,12 @@ class Unit:
                 g.stash_unsynced_grad()
         ctx.grads_ready(self)
 
+    def completes_reduction(self) -> bool:
+        """Reducing now ends in p.grad: gradient sync on and, with HSDP, the
+        all-reduce across replicas on (else the reduction stays pending)."""
+        return self.requires_gradient_sync and all(
+            g.requires_all_reduce or g.replicate_pg is None for g in self.trainable)
+
     def launch_reduce_scatters(self) -> list:
         got = any(g.flat.grad is not None for g in self.trainable)
         trace("reduce_scatter", self.fqn, "ready" if got else "zero-filled")

@@ -134,7 +134,7 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
     """UnusedNet against DDP(find_unused_parameters=True). ``mode``: none /
     keep (zero_grad(set_to_none=False)) / twice (two backwards per step, no
     zero_grad between) / no_all_reduce (HSDP: the first of the two without
-    the all-reduce)."""
+    the all-reduce). With two, ``d`` runs in one of them."""
     torch.manual_seed(0)
     model = UnusedNet()
     ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
@@ -152,8 +152,8 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
             if mode == "no_all_reduce":
                 model.set_requires_all_reduce(micro == 1)
             x, y = batch(step, rank, micro)
-            for m in (model, ddp):
-                (m(x, rank, step) - y).pow(2).mean().backward()
+            for m in (model, ddp):  # (d runs in one of two microbatches)
+                (m(x, rank, step + micro) - y).pow(2).mean().backward()
         problems += grad_problems(model, ddp.module, shard_world, f"step {step}", atol)
         opt.step()
         ref_opt.step()
@@ -289,11 +289,15 @@ def unsynced_unit(rank, world, per_unit=False):
     return problems
 
 
-def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=False):
+def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=False,
+                  last_in_flight=False, user_grads=False):
     """UnusedNet against one process looping over every rank's batch and
     control flow: under activation checkpointing (``a``), with 0-dim
-    parameters (``scalar``), or over two microbatches the first of which does
-    not sync gradients (flags of both count)."""
+    parameters (``scalar``), over two microbatches the first of which does
+    not sync gradients (flags of both count) or leaves its last reduction in
+    flight (``set_is_last_backward(False)``: folded by the next backward), or
+    with ``p.grad`` of ``b`` and ``c`` set by the user before each backward
+    (their own tensors, added into)."""
     torch.manual_seed(0)
     model = UnusedNet(scalar, ac)
     ref = copy.deepcopy(model)
@@ -301,9 +305,16 @@ def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=Fa
     opt, ref_opt = adamw(model.parameters()), adamw(ref.parameters())
     problems = []
     for step in range(STEPS):
-        micros = 2 if no_sync else 1
+        micros = 2 if no_sync or last_in_flight else 1
+        if user_grads:
+            for m in (model, ref):
+                for p in [*m.b.parameters(), *m.c.l2.parameters()]:
+                    p.grad = torch.full_like(p, 0.01 * (step + 1))
         for micro in range(micros):
-            model.set_requires_gradient_sync(micro == micros - 1)
+            if no_sync:
+                model.set_requires_gradient_sync(micro == micros - 1)
+            if last_in_flight:
+                model.set_is_last_backward(micro == micros - 1)
             # the second microbatch: what ran on even steps runs on odd ones
             global_step(model, ref, step, rank, world, micro,
                         lambda m, x, r: m(x, r, step + micro) / micros)
@@ -330,6 +341,10 @@ def _scenarios(world: int) -> dict:
         out[f"unsynced_unit_{tag}"] = functools.partial(unsynced_unit, per_unit=per_unit)
         out[f"unused_no_sync_{tag}"] = functools.partial(unused_vs_one, no_sync=True,
                                                          per_unit=per_unit)
+        out[f"unused_last_in_flight_{tag}"] = functools.partial(
+            unused_vs_one, last_in_flight=True, per_unit=per_unit)
+        out[f"unused_user_grads_{tag}"] = functools.partial(unused_vs_one, user_grads=True,
+                                                            per_unit=per_unit)
         for ac in ("reentrant", "non_reentrant"):
             out[f"unused_{ac}_{tag}"] = functools.partial(unused_vs_one, ac=ac,
                                                           per_unit=per_unit)
