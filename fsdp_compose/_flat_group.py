@@ -51,11 +51,13 @@ every later collective, depend on it). So:
   pre-hook on each split node sees None for every view that got none
   (``_note_used``), OR-ed over the unit's uses and over the microbatches the
   flat gradient sums (``set_requires_gradient_sync(False)``);
-- the flags travel with the reduction: a tiny all-reduce (SUM, int32, one
-  element per entry) issued right after each reduce-scatter on the same
-  process group (one per bucket), added into an HSDP partial sum and
-  all-reduced over the replicas with it; every rank learns how many ranks
-  produced each gradient, whatever its own graph was;
+- the flags travel with the reduction, so every rank learns whether any
+  rank produced each gradient, whatever its own graph was: in a bucket, as E
+  more columns of the rank-major reduce-scatter input (one per entry, the
+  same on every rank: the output ends with their rank average); for a group
+  reduced alone, a tiny all-reduce (SUM, one fp32 per entry) issued right
+  after its reduce-scatter on the same process group; with HSDP, added into
+  the partial sum and all-reduced over the replicas with the gradient;
 - folding: an entry no rank produced a gradient for, whose ``p.grad`` is
   None, keeps None; an entry whose sharded Parameter does not require grad
   (``requires_grad_(False)`` after fully_shard) is never touched; every other
@@ -153,7 +155,7 @@ class _GradLaunch:
 
     group: "FlatGroup"
     pending: Pending     # wait() gives the reduced output
-    used: Pending        # wait() gives, per entry, how many ranks produced a gradient
+    used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     done: bool = field(default=False)
@@ -206,10 +208,10 @@ class _UsedFlags:
             self.counts.add_(other.counts)
         return self
 
-    def any_rank(self) -> list[bool] | None:
-        """Per entry: did any rank produce a gradient; None: every entry did
-        here, so nothing needs reading."""
-        if all(self.local):
+    def any_rank(self, trains) -> list[bool] | None:
+        """Per entry: did any rank produce a gradient; None: every entry that
+        ``trains`` did here, so nothing needs reading."""
+        if all(u or not t for u, t in zip(self.local, trains)):
             return None
         if self.counts is None:
             return self.local
@@ -576,8 +578,9 @@ class FlatGroup:
             return _GradLaunch(self, streams.ready(flat_grad), _UsedFlags(used), post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
         pending = streams.reduce_scatter(flat_grad, self.rs_pg, op)
-        flags = _exchange_flags([used], self.rs_pg, self.device, streams)
-        return _GradLaunch(self, pending, flags[0], post)
+        counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
+        work = _FlagsWork(streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM), counts)
+        return _GradLaunch(self, pending, _UsedFlags(used, work, (0, len(used))), post)
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
@@ -621,7 +624,7 @@ class FlatGroup:
             out.div_(post)
         if out.dtype != self.dtype or out.device != self.shard_device:
             out = out.to(self.shard_device, self.dtype)  # (offload: device-to-host)
-        self._fold_grad(out, used.any_rank())
+        self._fold_grad(out, used.any_rank(self._trains))
 
     def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
         """Add this reduction into p.grad, see [Note: parameters without a gradient].
@@ -659,15 +662,8 @@ class FlatGroup:
                 f"{self.state.name})")
 
 
-def _exchange_flags(used: list[list[bool]], pg, device, streams: StreamManager) -> list:
-    """Issue the all-reduce that tells every rank how many ranks produced each
-    entry's gradient, for several groups' flags at once (see [Note: parameters
-    without a gradient]); one ``_UsedFlags`` per group."""
-    counts = _flags_tensor([f for flags in used for f in flags], device)
-    return _share_flags(used, _FlagsWork(streams.all_reduce(counts, pg, dist.ReduceOp.SUM), counts))
-
-
 def _share_flags(used: list[list[bool]], work: _FlagsWork) -> list:
+    """One ``_UsedFlags`` per group of a bucket: its slice of the shared counts."""
     out, at = [], 0
     for flags in used:
         out.append(_UsedFlags(flags, work, (at, at + len(flags))))
