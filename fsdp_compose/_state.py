@@ -21,11 +21,11 @@ units whose forward ran with a backward to follow:
   parameters are used first, last), then the units whose reduction an
   earlier backward left unfinished (without gradient sync, or HSDP without
   the all-reduce) and that did not run in this one (``_pending``: their
-  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A unit whose gradients are ready waits
-  until every trainable unit before it was issued; the root's final callback
-  issues the rest, zero-filled where this rank produced no gradient. They run
-  on a second process group over the same ranks, so the two streams of
-  collectives cannot block each other.
+  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A
+  unit whose gradients are ready waits until every trainable unit before it
+  was issued; the root's final callback issues the rest, zero-filled where
+  this rank produced no gradient. They run on a second process group over
+  the same ranks, so the two streams of collectives cannot block each other.
 - Both orders include the units that ran as a no-grad island of the training
   forward (a reentrant checkpoint: its recomputation in backward gathers
   them, and their gradients come from a nested backward), at the place of
@@ -92,11 +92,11 @@ class RootContext:
         self._new_step = True
         self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
         self._grad_follows: dict[Unit, None] = {}  # ... whose outputs will see a backward,
+                                                   # in last-post-forward order
         # ... and those that ran as a no-grad island of the training forward
         # (a reentrant checkpoint recomputes them in backward): the units of
         # the two backward orders, see the Note
         self._in_orders: dict[Unit, None] = {}
-                                                   # in last-post-forward order
         # per backward
         self._callback_queued = False
         self._outer_task = -1                   # graph task of the backward we finish

@@ -310,8 +310,9 @@ class Unit:
             trace("pre_backward_again", self.fqn, self.state.name)
             self._ready.clear()
             self.state = TrainingState.PRE_BACKWARD
-            self.unshard()
-            self.wait_for_unshard()
+            if self.unshard_in_backward:
+                self.unshard()
+                self.wait_for_unshard()
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
