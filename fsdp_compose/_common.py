@@ -30,20 +30,22 @@ class ShardedState(enum.Enum):
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
 
 
-def weak_hook(obj, method: str, *refs):
-    """A hook calling ``obj.<method>(*refs(), *hook_args)`` that keeps neither
-    ``obj`` nor ``refs`` alive. Autograd nodes and tensors hold their hooks in
+def weak_hook(obj, method: str, arg=None):
+    """A hook calling ``obj.<method>([arg,] *hook_args)`` that keeps neither
+    ``obj`` nor ``arg`` alive. Autograd nodes and tensors hold their hooks in
     C++, where the garbage collector cannot see a cycle through them: a strong
     hook would keep the whole sharded model alive for the life of the process."""
     me = weakref.ref(obj)
-    args = [weakref.ref(r) for r in refs]
+    if arg is None:
+        def hook(*hook_args):
+            o = me()
+            return None if o is None else getattr(o, method)(*hook_args)
+    else:
+        ref = weakref.ref(arg)
 
-    def hook(*hook_args):
-        o = me()
-        if o is None:
-            return None
-        return getattr(o, method)(*(a() for a in args), *hook_args)
-
+        def hook(*hook_args):
+            o = me()
+            return None if o is None else getattr(o, method)(ref(), *hook_args)
     return hook
 
 

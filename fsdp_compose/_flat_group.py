@@ -49,8 +49,8 @@ every later collective, depend on it). So:
 
 - each group notes, per entry, whether this rank produced a gradient: a
   pre-hook on each split node sees None for every view that got none
-  (``_note_used``), OR-ed over the unit's uses and over the microbatches the
-  flat gradient sums (``set_requires_gradient_sync(False)``);
+  (``_before_split_backward``), OR-ed over the unit's uses and over the
+  microbatches the flat gradient sums (``set_requires_gradient_sync(False)``);
 - the flags travel with the reduction, so every rank learns whether any
   rank produced each gradient, whatever its own graph was: in a bucket, as E
   more columns of the rank-major reduce-scatter input (one per entry, the
@@ -302,6 +302,9 @@ class FlatGroup:
         self._hooked_flat = None   # the flat tensor the grad hook is registered on
         self._views_stale = False  # sync_requires_grad changed what the views must be
         self._used = [False] * len(entries)  # see [Note: parameters without a gradient]
+        # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
+        self.on_grads_computed = None
+        self._split_prehook = weak_hook(self, "_before_split_backward")
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
             for e, (p, _, _), local in zip(entries, params, locals_):
@@ -406,17 +409,20 @@ class FlatGroup:
         # the node that assembles flat.grad from the views' gradients (None: no grad)
         self.split_node = chunks[0].grad_fn
         if self.split_node is not None:
-            self.split_node.register_prehook(weak_hook(self, "_note_used"))
+            self.split_node.register_prehook(self._split_prehook)
         self._views_installed = False
         self._views_stale = False
 
-    def _note_used(self, grad_outputs) -> None:
-        """The split node's pre-hook: which views got a gradient (None: none),
-        see [Note: parameters without a gradient]."""
+    def _before_split_backward(self, grad_outputs) -> None:
+        """The split node's pre-hook: note which views got a gradient (None:
+        none, see [Note: parameters without a gradient]), then tell the unit
+        (see [Note: gloo backward] in _unit.py)."""
         used = self._used
         for k, i in enumerate(self._view_at):
             if grad_outputs[i] is not None:
                 used[k] = True
+        if self.on_grads_computed is not None:
+            self.on_grads_computed(grad_outputs)
 
     def install_sharded(self) -> None:
         for e in self.entries:

@@ -223,7 +223,8 @@ class Unit:
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    g.split_node.register_prehook(weak_hook(self, "_grads_computed", g))
+                    if g.on_grads_computed is None:  # (called by the split node's pre-hook)
+                        g.on_grads_computed = weak_hook(self, "_grads_computed", g)
                     self.grads_hooked = True
 
     def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
