@@ -7,10 +7,15 @@
   without the all-reduce) and a low-precision reduce;
 - ``requires_grad_(False)`` / ``(True)`` after fully_shard is honoured, also
   for parameters frozen when the unit was sharded;
-- optimizers over parts of a unit, zeroed at different times;
+- optimizers over parts of a unit, zeroed at different times; ``p.grad`` set
+  by the user;
 - accumulation without ``zero_grad``, ``set_to_none=False``, several
-  backwards per step, ``set_requires_gradient_sync(False)`` with a unit that
-  runs in some microbatches only.
+  backwards per step, ``set_requires_gradient_sync(False)`` /
+  ``set_requires_all_reduce(False)`` with a unit that runs in some
+  microbatches only, ``set_is_last_backward(False)``;
+- activation checkpointing around a unit, reentrant (the unit's collectives
+  in backward must follow the rank-independent orders) or not; 0-dim
+  parameters (the flat path at world size 1).
 
 All scenarios of one world size share one launch; each is its own test. A
 scenario that raises reports the error as its problem.
