@@ -182,7 +182,7 @@ class _FlagsWork:
         if self._pending is not None:
             out = self._pending.wait()
             if self._tail:  # (rank averages: > 0 where any rank had a gradient)
-                self._counts = out[out.numel() - self._tail:].float()
+                self._counts = out[out.numel() - self._tail:].to(torch.float32, copy=True)
             self._pending = None
         return self._counts
 
