@@ -18,6 +18,7 @@ from ._flat_group import FlatGroup, PostForward
 from ._state import assign_fqns, unit_of
 from ._unit import Unit
 
+
 class _ShardedParams:
     """Every sharded Parameter we created -> (group, entry).
 
