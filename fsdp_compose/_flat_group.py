@@ -52,12 +52,15 @@ every later collective, depend on it). So:
   (``_before_split_backward``), OR-ed over the unit's uses and over the
   microbatches the flat gradient sums (``set_requires_gradient_sync(False)``);
 - the flags travel with the reduction, so every rank learns whether any
-  rank produced each gradient, whatever its own graph was: in a bucket, as E
-  more columns of the rank-major reduce-scatter input (one per entry, the
-  same on every rank: the output ends with their rank average); for a group
-  reduced alone, a tiny all-reduce (SUM, one fp32 per entry) issued right
-  after its reduce-scatter on the same process group; with HSDP, added into
-  the partial sum and all-reduced over the replicas with the gradient;
+  rank produced each gradient, whatever its own graph was: in a bucket, and
+  for a flat gradient up to ``INLINE_FLAGS_BYTES``, as E more columns after
+  the group's chunk in the rank-major reduce-scatter input (the same on
+  every rank), so its output is the gradient shard then the flags' rank
+  average (``_launch_inline``: one copy of the flat gradient); a larger
+  group sends them in a tiny all-reduce (SUM, one fp32 per entry) right
+  after its reduce-scatter on the same process group. With HSDP they are
+  added into the partial sum and all-reduced over the replicas with the
+  gradient (inline: in the same collective);
 - folding: an entry no rank produced a gradient for, whose ``p.grad`` is
   None, keeps None; an entry whose sharded Parameter does not require grad
   (``requires_grad_(False)`` after fully_shard) is never touched; every other
@@ -71,7 +74,6 @@ between parameters are padding), and the total is padded to a multiple of
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -85,6 +87,11 @@ from ._common import ShardedState, unit_error, weak_hook
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
+# A flat gradient up to this size carries its used-flags in its own
+# reduce-scatter (one copy, into a buffer with E more columns); a larger one
+# sends them in a tiny all-reduce of their own, where that copy would cost
+# more than the collective's latency (see [Note: parameters without a gradient]).
+INLINE_FLAGS_BYTES = 256 << 10
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -169,48 +176,24 @@ class _GradLaunch:
             self.group._finish_reduce(out, self.used, self.post_divide)
 
 
-class _FlagsWork:
-    """The used-flags of one launch summed over the ranks (see [Note:
-    parameters without a gradient]): all-reduced in ``counts`` itself, or
-    carried as the last ``tail`` elements of a bucket's reduce-scatter output.
-    Waited once, shared by a bucket's groups."""
-
-    def __init__(self, pending: Pending, counts: torch.Tensor | None = None, tail: int = 0):
-        self._pending, self._counts, self._tail = pending, counts, tail
-
-    def wait(self) -> torch.Tensor:
-        if self._pending is not None:
-            out = self._pending.wait()
-            if self._tail:  # (rank averages: > 0 where any rank had a gradient)
-                self._counts = out[out.numel() - self._tail:].to(torch.float32, copy=True)
-            self._pending = None
-        return self._counts
-
-
 class _UsedFlags:
-    """Per entry of one group: which produced a gradient here (``local``), and
-    how many ranks did (its slice of a ``_FlagsWork``; None: world size 1)."""
+    """Per entry of one group: whether this rank produced a gradient
+    (``local``), and what the reduction made of the flags: the E elements
+    after the gradient shard in the reduce-scatter output (``inline``), or
+    ``counts``, all-reduced by ``pending`` (None at world size 1)."""
 
-    def __init__(self, local: list[bool], work: _FlagsWork | None = None,
-                 span: tuple[int, int] = (0, 0)):
-        self.local, self._work, self._span = local, work, span
-        self.counts: torch.Tensor | None = None
+    def __init__(self, local: list[bool], inline: bool = False, pending: Pending | None = None,
+                 counts: torch.Tensor | None = None):
+        self.local, self.inline, self._pending, self.counts = local, inline, pending, counts
 
-    def wait(self) -> "_UsedFlags":
-        if self._work is not None and self.counts is None:
-            self.counts = self._work.wait()[self._span[0]:self._span[1]]
-        return self
-
-    def add_(self, other: "_UsedFlags") -> "_UsedFlags":
-        """Sum with an earlier partial (HSDP without all-reduce)."""
-        self.local = [a or b for a, b in zip(self.local, other.local)]
-        if self.counts is not None and other.counts is not None:
-            self.counts.add_(other.counts)
-        return self
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def any_rank(self, trains) -> list[bool] | None:
-        """Per entry: did any rank produce a gradient; None: every entry that
-        ``trains`` did here, so nothing needs reading."""
+        """Per entry: did any rank produce a gradient (> 0: a sum or an
+        average); None: every entry that ``trains`` did here, nothing to read."""
         if all(u or not t for u, t in zip(self.local, trains)):
             return None
         if self.counts is None:
@@ -313,8 +296,6 @@ class FlatGroup:
                     src = local.detach().reshape(-1)[slice(*e.local_range)]
                     self.shard[slice(*e.shard_range)].copy_(src)
 
-        self._grad_shard_ref = None   # weakref: see _adopt_grad_shard
-        self._grad_view_refs = None
         self._pending: Pending | None = None
         self._pf_shard: torch.Tensor | None = None   # post-forward shard (PARTIAL)
         self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
@@ -534,26 +515,11 @@ class FlatGroup:
     # --------------------------------------------------------------- gradients
     # The gradient shard is held only by the p.grad views (through their
     # ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
-    # We keep weak references, to recognise our views and accumulate into them.
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
         """``buf`` becomes the gradient shard of the entries in ``take``."""
-        refs = []
         for e, t in zip(self.entries, take):
-            v = None
             if t:
-                v = e.piece(buf)
-                e.sharded.grad = v
-            refs.append(weakref.ref(v) if v is not None else None)
-        self._grad_shard_ref = weakref.ref(buf) if all(take) else None
-        self._grad_view_refs = refs
-
-    def _our_views(self) -> bool:
-        """Every p.grad is still the view of one gradient shard we adopted."""
-        refs = self._grad_view_refs
-        if refs is None or self._grad_shard_ref is None or self._grad_shard_ref() is None:
-            return False
-        return all(r is not None and r() is not None and e.sharded.grad is r()
-                   for e, r in zip(self.entries, refs))
+                e.sharded.grad = e.piece(buf)
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -579,14 +545,21 @@ class FlatGroup:
 
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
+        inline = self.padded_numel * self.reduce_dtype.itemsize <= INLINE_FLAGS_BYTES
+        if self.world > 1 and inline:
+            return _launch_inline([self], streams)[0]
         flat_grad, used, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
+            if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
+                flags = _flags_tensor(used, self.device, self.reduce_dtype)
+                out = torch.cat([flat_grad, flags])
+                return _GradLaunch(self, streams.ready(out), _UsedFlags(used, inline=True), post)
             return _GradLaunch(self, streams.ready(flat_grad), _UsedFlags(used), post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
         pending = streams.reduce_scatter(flat_grad, self.rs_pg, op)
         counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
-        work = _FlagsWork(streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM), counts)
-        return _GradLaunch(self, pending, _UsedFlags(used, work, (0, len(used))), post)
+        flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+        return _GradLaunch(self, pending, _UsedFlags(used, pending=flags, counts=counts), post)
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
@@ -610,22 +583,35 @@ class FlatGroup:
             flat_grad.div_(pre)
         return flat_grad, used, pre, post
 
+    def _split_flags(self, out: torch.Tensor, used: _UsedFlags):
+        """(gradient shard, flag sums): views into ``out`` when the flags came
+        inline, else ``used.counts``."""
+        if used.inline:
+            return out[:self.shard_numel], out[self.shard_numel:]
+        if used.counts is None:  # (shard world size 1: the flags are local)
+            used.counts = _flags_tensor(used.local, self.device)
+        return out, used.counts
+
     def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None) -> None:
         used.wait()
         if self.replicate_pg is not None:  # HSDP: then across the replicas
-            if self._partial is not None:
+            grad, counts = self._split_flags(out, used)
+            if self._partial is not None:  # (its gradient and flags are added alike)
                 p_out, p_used = self._partial
-                out = out.add_(p_out)
-                used.add_(p_used)
+                p_grad, p_counts = self._split_flags(p_out, p_used)
+                grad.add_(p_grad)
+                counts.add_(p_counts.to(counts.dtype))
+                used.local = [a or b for a, b in zip(used.local, p_used.local)]
                 self._partial = None
             if not self.requires_all_reduce:
                 self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
                 return
             op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-            _collectives.all_reduce(out, op, self.replicate_pg)
-            if used.counts is None:  # (shard world size 1: the flags were local)
-                used.counts = _flags_tensor(used.local, self.device)
-            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, self.replicate_pg)
+            _collectives.all_reduce(out, op, self.replicate_pg)  # (inline: the flags too)
+            if not used.inline:
+                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg)
+        if used.inline:
+            out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
         if post is not None:
             out.div_(post)
         if out.dtype != self.dtype or out.device != self.shard_device:
@@ -640,15 +626,10 @@ class FlatGroup:
             if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
                 take = [t and (any_rank is None or any_rank[k])
                         for k, t in enumerate(self._trains)]
-                if any(take):
-                    self._adopt_grad_shard(out, take)
+                self._adopt_grad_shard(out, take)
                 return
-            if all(self._trains) and self._our_views():
-                self._grad_shard_ref().add_(out)  # accumulation without zero_grad
-                return
-            # some p.grad were set to None (a partial zero_grad), replaced by
-            # the user, or left by a view of a bucket's output: one by one
-            refs = list(self._grad_view_refs or [None] * len(entries))
+            # accumulation without zero_grad, a partial zero_grad (an optimizer
+            # over part of the unit), p.grad set by the user: one by one
             for k, e in enumerate(entries):
                 if not self._trains[k]:
                     continue  # frozen: backward leaves p.grad alone
@@ -658,8 +639,6 @@ class FlatGroup:
                     g.add_(piece.view_as(g))
                 elif any_rank is None or any_rank[k]:
                     e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
-                    refs[k] = None
-            self._grad_view_refs = refs
 
     def __repr__(self) -> str:
         dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
@@ -668,42 +647,45 @@ class FlatGroup:
                 f"{self.state.name})")
 
 
-def _share_flags(used: list[list[bool]], work: _FlagsWork) -> list:
-    """One ``_UsedFlags`` per group of a bucket: its slice of the shared counts."""
-    out, at = [], 0
-    for flags in used:
-        out.append(_UsedFlags(flags, work, (at, at + len(flags))))
-        at += len(flags)
-    return out
-
-
 def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
     """ONE reduce-scatter for several groups with the same ``bucket_key()``.
 
-    The input is rank-major: for each rank r, every group's chunk r in turn
-    (one ``cat`` of the flat gradients viewed as (W, S_i)), so the output is
-    every group's gradient shard end to end; each group adopts its slice
-    (a view). For many small units, where a collective's latency dominates
-    its bytes: one collective instead of one per unit, for one copy. The
-    groups' used-flags ride along: E more columns (one per entry, the same
-    on every rank), so every rank's output ends with their rank average.
+    For many small units, where a collective's latency dominates its bytes:
+    one collective instead of one per unit, for one copy (``_launch_inline``).
     """
     first = groups[0]
-    if first.world == 1 or len(groups) == 1:  # nothing to merge: no copy
+    if first.world == 1 or len(groups) == 1:  # nothing to merge
         return [g.launch_reduce_scatter(streams) for g in groups]
+    return _launch_inline(groups, streams)
+
+
+def _launch_inline(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
+    """Reduce-scatter the groups' flat gradients with their used-flags inline.
+
+    The input is rank-major: for each rank r, every group's chunk r followed
+    by its E flags (the same in every chunk), in turn: one ``cat`` of the flat
+    gradients viewed as (W, S_i) and the flags as (W, E_i). The output is, for
+    every group, its gradient shard then the rank average of its flags (> 0
+    where any rank produced the gradient), end to end; each group adopts its
+    slice (a view).
+    """
+    first = groups[0]
     taken = [g.take_grad() for g in groups]
     W = first.world
-    used = [t[1] for t in taken]
-    flags = _flags_tensor([f for u in used for f in u], first.device, first.reduce_dtype)
-    flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)]
-                     + [flags.expand(W, flags.numel())], dim=1)
+    flags = _flags_tensor([f for t in taken for f in t[1]], first.device, first.reduce_dtype)
+    cols, at = [], 0
+    for g, (flat_grad, used, _, _) in zip(groups, taken):
+        cols.append(flat_grad.view(W, g.shard_numel))
+        cols.append(flags[at:at + len(used)].expand(W, len(used)))
+        at += len(used)
+    flat = torch.cat(cols, dim=1)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op)  # waited once, shared
-    flags = _share_flags(used, _FlagsWork(pending, tail=flags.numel()))
     launches, at = [], 0
-    for g, (_, _, _, post), used in zip(groups, taken, flags):
-        launches.append(_GradLaunch(g, pending, used, post, (at, at + g.shard_numel)))
-        at += g.shard_numel
+    for g, (_, used, _, post) in zip(groups, taken):
+        n = g.shard_numel + len(used)
+        launches.append(_GradLaunch(g, pending, _UsedFlags(used, inline=True), post, (at, at + n)))
+        at += n
     return launches
 
 

@@ -261,17 +261,15 @@ def _counts(rank, world, raf, switch_to=None, per_unit=True):
 
 @pytest.mark.parametrize("raf,per_unit,expected", [
     # per unit, 4 blocks + root: forward gathers 5; with resharding, backward
-    # regathers the 4 blocks; every unit reduce-scatters once, and all-reduces
-    # its used-flags once (which parameters some rank produced a gradient for)
-    (True, True, [(9, 5, 5)] * 2),
-    (False, True, [(5, 5, 5)] * 2),
+    # regathers the 4 blocks; every unit reduce-scatters once
+    (True, True, [(9, 5, 0)] * 2),
+    (False, True, [(5, 5, 0)] * 2),
     # default 1 MiB buckets; the whole model is 3,104 bytes at 2 ranks (blocks
     # 184 padded floats, root 40), so a bucket takes every unit it may:
     # step 1's forward has no recorded order yet and gathers per unit (5);
     # backward gathers the 4 resharded blocks as ONE bucket (raf=True) or
     # nothing (raf=False); step 2's forward gathers all 5 as one bucket (every
-    # unit was resharded after backward). Every backward: one reduce-scatter,
-    # which carries the used-flags too (no all-reduce).
+    # unit was resharded after backward). Every backward: one reduce-scatter.
     (True, False, [(5 + 1, 1, 0), (1 + 1, 1, 0)]),
     (False, False, [(5, 1, 0), (1, 1, 0)]),
 ])
@@ -282,7 +280,7 @@ def test_collective_counts(raf, per_unit, expected):
 
 def test_set_reshard_after_forward_changes_the_schedule():
     for per_step in run_distributed(_counts, 2, True, False):
-        assert per_step == [(5, 5, 5), (5, 5, 5)]
+        assert per_step == [(5, 5, 0), (5, 5, 0)]
 
 
 @pytest.mark.parametrize("per_unit", [True, False])

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _flat_group, fully_shard, param_info
 
 from ._dist import run_distributed
 from ._pieces import local_piece
@@ -63,8 +63,8 @@ class Blk(nn.Module):
 
 class UnusedNet(nn.Module):
     """``a.l2``: output unused on every rank (part of a unit); ``b``: output
-    used on rank 0 only; ``c``: runs, output unused on every rank; ``d``: runs
-    on even steps only; ``e``: runs under ``torch.no_grad()`` (a no-grad
+    used on rank 0 only, on even steps only; ``c``: runs, output unused on
+    every rank; ``d``: runs on odd steps only; ``e``: runs under ``torch.no_grad()`` (a no-grad
     island never recomputed). ``ac``: ``a`` under activation checkpointing."""
 
     def __init__(self, scalar=False, ac=None):
@@ -84,9 +84,9 @@ class UnusedNet(nn.Module):
         self.c(h)
         with torch.no_grad():
             h = h + self.e(h)
-        if rank == 0:
+        if rank == 0 and step % 2 == 0:
             h = hb
-        if step % 2 == 0:
+        if step % 2 == 1:
             h = self.d(h)
         return self.out(h)
 
@@ -138,11 +138,12 @@ def batch(step, rank, micro=0, rows=4, din=3):
 
 # ------------------------------------------------ 1. no gradient on any rank
 def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mesh=None,
-                  mp=None, atol=1e-6, rtol=1e-5):
+                  mp=None, atol=1e-6, rtol=1e-5, toggle=False):
     """UnusedNet against DDP(find_unused_parameters=True). ``mode``: none /
     keep (zero_grad(set_to_none=False)) / twice (two backwards per step, no
     zero_grad between) / no_all_reduce (HSDP: the first of the two without
-    the all-reduce). With two, ``d`` runs in one of them."""
+    the all-reduce). With two, ``d`` runs in one of them; ``toggle``: the
+    first reduces in buckets, the second per unit."""
     torch.manual_seed(0)
     model = UnusedNet()
     ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
@@ -159,6 +160,8 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
         for micro in range(2 if mode in ("twice", "no_all_reduce") else 1):
             if mode == "no_all_reduce":
                 model.set_requires_all_reduce(micro == 1)
+            if toggle:
+                model.set_reduce_scatter_bucket_bytes(0 if micro == 1 else 1 << 20)
             x, y = batch(step, rank, micro)
             for m in (model, ddp):  # (d runs in one of two microbatches)
                 (m(x, rank, step + micro) - y).pow(2).mean().backward()
@@ -336,8 +339,28 @@ def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=Fa
 
 
 # --------------------------------------------------------------------- runner
+def separate_flags(fn):
+    """``fn`` with every flat gradient's used-flags in an all-reduce of their
+    own (as for flat gradients above INLINE_FLAGS_BYTES; these are small)."""
+    def run(*args, **kw):
+        inline, _flat_group.INLINE_FLAGS_BYTES = _flat_group.INLINE_FLAGS_BYTES, 0
+        try:
+            return fn(*args, **kw)
+        finally:
+            _flat_group.INLINE_FLAGS_BYTES = inline
+    return run
+
+
 def _scenarios(world: int) -> dict:
     out = {}
+    # per unit, flags in their own all-reduce
+    for mode in ("none", "twice"):
+        out[f"unused_{mode}_separate_flags"] = separate_flags(
+            functools.partial(unused_vs_ddp, mode=mode, per_unit=True))
+    out["unused_no_sync_separate_flags"] = separate_flags(
+        functools.partial(unused_vs_one, no_sync=True, per_unit=True))
+    out["unused_reentrant_separate_flags"] = separate_flags(
+        functools.partial(unused_vs_one, ac="reentrant", per_unit=True))
     for per_unit in (False, True):
         tag = "per_unit" if per_unit else "bucketed"
         for mode in ("none", "keep", "twice"):
@@ -378,6 +401,13 @@ def _scenarios(world: int) -> dict:
                                                                    per_unit=per_unit))
             out[f"unused_hsdp_no_all_reduce_{tag}"] = ("hsdp", functools.partial(
                 unused_vs_ddp, mode="no_all_reduce", per_unit=per_unit))
+        out["unused_hsdp_separate_flags"] = ("hsdp", separate_flags(
+            functools.partial(unused_vs_ddp, per_unit=True)))
+        out["unused_hsdp_no_all_reduce_separate_flags"] = ("hsdp", separate_flags(
+            functools.partial(unused_vs_ddp, mode="no_all_reduce", per_unit=True)))
+        # the partial sum of a bucket (flags inline) completed per unit (flags apart)
+        out["unused_hsdp_no_all_reduce_mixed_flags"] = ("hsdp", separate_flags(
+            functools.partial(unused_vs_ddp, mode="no_all_reduce", toggle=True)))
     return out
 
 

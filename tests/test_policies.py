@@ -181,11 +181,10 @@ def hsdp(rank, world):
         problems, counts = _fp32_parity(rank, world, micro=2, mesh=mesh, each_micro=each,
                                         per_unit=True)
         # 5 units reduce-scatter in both microbatches (the shard group of 1 rank
-        # issues none), each followed by the all-reduce of its used-flags; only
-        # the second all-reduces across replicas, gradients and flags
+        # issues none); only the second all-reduces across replicas
         rs = 5 if shape[1] > 1 else 0
         ar = 5 if shape[0] > 1 else 0
-        want = [[(counts[0][0][0], rs, rs), (counts[0][1][0], rs, rs + 2 * ar)]] * STEPS
+        want = [[(counts[0][0][0], rs, 0), (counts[0][1][0], rs, ar)]] * STEPS
         if counts != want:
             problems.append(f"mesh {shape}: counts {counts} != {want}")
         results += [f"mesh {shape}: {p}" for p in problems]
@@ -205,9 +204,8 @@ def reshard_to_2(rank, world):
     problems, counts = _fp32_parity(rank, world, model_kw={"reshard_after_forward": 2},
                                     after_forward=after_forward, per_unit=True)
     # root keeps its parameters (raf=2 applies to it too, so it is PARTIAL as well):
-    # forward 5 all-gathers, backward 5 within the pairs; 5 reduce-scatters and
-    # the all-reduces of their used-flags
-    if counts != [[(10, 5, 5)]] * STEPS:
+    # forward 5 all-gathers, backward 5 within the pairs
+    if counts != [[(10, 5, 0)]] * STEPS:
         problems.append(f"counts {counts}")
     return problems
 
@@ -223,7 +221,7 @@ def reshard_after_backward(rank, world):
     if world > 1:
         # first microbatch: 5 forward + 4 backward (root kept); then only the
         # 4 blocks' backward all-gathers (they reshard after forward)
-        want = [[(9, 0, 0), (4, 0, 0), (4, 0, 0), (4, 5, 5)]] * STEPS
+        want = [[(9, 0, 0), (4, 0, 0), (4, 0, 0), (4, 5, 0)]] * STEPS
         if counts != want:
             problems.append(f"counts {counts} != {want}")
     return problems
@@ -311,19 +309,16 @@ def bucketed(rank, world):
       [norm, l2, l1], [l0, root]: 2.)
     * 1000: every block is larger, and the small root and norm are never
       adjacent: one collective per unit, (9, 5) every microbatch.
-    All-reduces: the used-flags of a unit reduced alone (a bucket's ride in its
-    reduce-scatter): 1 ([root]) at 2432, 5 at 1000.
     """
     results = []
-    cases = {1 << 20: ((6, 1), (2, 1), 0), 2432: ((7, 3), (5, 3), 1),
-             1000: ((9, 5), (9, 5), 5)}
-    for nbytes, (first, then, flags) in cases.items():
+    cases = {1 << 20: ((6, 1), (2, 1)), 2432: ((7, 3), (5, 3)), 1000: ((9, 5), (9, 5))}
+    for nbytes, (first, then) in cases.items():
         def each(model, k, micro, nbytes=nbytes):
             model.set_all_gather_bucket_bytes(nbytes)
             model.set_reduce_scatter_bucket_bytes(nbytes)
 
         problems, counts = _fp32_parity(rank, world, micro=2, each_micro=each)
-        want = [[(*first, flags), (*then, flags)]] + [[(*then, flags)] * 2] * (STEPS - 1)
+        want = [[(*first, 0), (*then, 0)]] + [[(*then, 0)] * 2] * (STEPS - 1)
         if world > 1 and counts != want:
             problems.append(f"counts per microbatch {counts}, want {want}")
         results += [f"bucket {nbytes}: {p}" for p in problems]
@@ -332,8 +327,8 @@ def bucketed(rank, world):
     if mesh is not None:  # HSDP through the default buckets
         problems, counts = _fp32_parity(rank, world, mesh=mesh)
         # one bucket per pass in the shard groups of 2; the replica all-reduce
-        # is per flat group (5), not bucketed, and so is that of its used-flags
-        want = [[(6, 1, 10)]] + [[(2, 1, 10)]] * (STEPS - 1)
+        # is per flat group (5), not bucketed
+        want = [[(6, 1, 5)]] + [[(2, 1, 5)]] * (STEPS - 1)
         if counts != want:
             problems.append(f"counts {counts}, want {want}")
         results += [f"hsdp: {p}" for p in problems]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compose._state as state_mod
-from fsdp_compose import _collectives, fully_shard, param_info
+from fsdp_compose import _collectives, _flat_group, fully_shard, param_info
 
 from ._dist import run_distributed
 from .test_api import Net, per_unit_collectives
@@ -104,6 +104,10 @@ def _train(streams: bool, per_unit: bool):
 
             setattr(_collectives, kind, issue)
             patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
+    if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
+        inline = _flat_group.INLINE_FLAGS_BYTES
+        _flat_group.INLINE_FLAGS_BYTES = 0
+        patched.append(lambda: setattr(_flat_group, "INLINE_FLAGS_BYTES", inline))
     try:
         for layer in model.layers:
             fully_shard(layer)
@@ -181,8 +185,8 @@ def test_side_stream_protocol(world, per_unit):
         assert all(torch.equal(a, b) for a, b in zip(default["params"], streams["params"]))
         assert _check_protocol(streams["log"]) == []
         kinds = {e[2] for e in streams["log"] if e[0] == "issue"}
-        # per unit, each reduce-scatter's used-flags go in their own all-reduce
-        # (in a bucket they ride in the reduce-scatter)
+        # per unit, the used-flags go in an all-reduce of their own (forced:
+        # these flat gradients are small enough to carry them inline)
         assert kinds == {"all_gather", "reduce_scatter"} | ({"all_reduce_async"} if per_unit
                                                             else set())
 
