@@ -285,6 +285,7 @@ class FlatGroup:
         self._hooked_flat = None   # the flat tensor the grad hook is registered on
         self._views_stale = False  # sync_requires_grad changed what the views must be
         self._used = [False] * len(entries)  # see [Note: parameters without a gradient]
+        self._flags_row: tuple | None = None  # (flags, their tensor): read-only, reused
         # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
         self.on_grads_computed = None
         self._split_prehook = weak_hook(self, "_before_split_backward")
@@ -551,8 +552,7 @@ class FlatGroup:
         flat_grad, used, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
             if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
-                flags = _flags_tensor(used, self.device, self.reduce_dtype)
-                out = torch.cat([flat_grad, flags])
+                out = torch.cat([flat_grad, self.flags_row(used)])
                 return _GradLaunch(self, streams.ready(out), _UsedFlags(used, inline=True), post)
             return _GradLaunch(self, streams.ready(flat_grad), _UsedFlags(used), post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
@@ -564,6 +564,14 @@ class FlatGroup:
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
         return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas)
+
+    def flags_row(self, used: list[bool]) -> torch.Tensor:
+        """``used`` as a tensor in the reduce dtype on the device, to be copied
+        (the same flags step after step: made once)."""
+        key = (tuple(used), self.device, self.reduce_dtype)  # (a model moved or cast)
+        if self._flags_row is None or self._flags_row[0] != key:
+            self._flags_row = (key, _flags_tensor(used, self.device, self.reduce_dtype))
+        return self._flags_row[1]
 
     def take_grad(self):
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
@@ -672,12 +680,10 @@ def _launch_inline(groups: list[FlatGroup], streams: StreamManager) -> list[_Gra
     first = groups[0]
     taken = [g.take_grad() for g in groups]
     W = first.world
-    flags = _flags_tensor([f for t in taken for f in t[1]], first.device, first.reduce_dtype)
-    cols, at = [], 0
+    cols = []
     for g, (flat_grad, used, _, _) in zip(groups, taken):
         cols.append(flat_grad.view(W, g.shard_numel))
-        cols.append(flags[at:at + len(used)].expand(W, len(used)))
-        at += len(used)
+        cols.append(g.flags_row(used).expand(W, len(used)))
     flat = torch.cat(cols, dim=1)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op)  # waited once, shared
