@@ -188,3 +188,10 @@ def _group_device(group, device: torch.device) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def all_reduce_async(tensor: torch.Tensor, op, group):
+    """In-place all-reduce, not waited (small tensors: the used-flags)."""
+    _stats.all_reduce_calls += 1
+    _stats.all_reduce_bytes += _nbytes(tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)

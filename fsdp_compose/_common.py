@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from typing import Iterator
 
 import torch
@@ -27,6 +28,25 @@ class ShardedState(enum.Enum):
     UNSHARDING = enum.auto()  # all-gather issued, not yet waited
     UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
+
+
+def weak_hook(obj, method: str, arg=None):
+    """A hook calling ``obj.<method>([arg,] *hook_args)`` that keeps neither
+    ``obj`` nor ``arg`` alive. Autograd nodes and tensors hold their hooks in
+    C++, where the garbage collector cannot see a cycle through them: a strong
+    hook would keep the whole sharded model alive for the life of the process."""
+    me = weakref.ref(obj)
+    if arg is None:
+        def hook(*hook_args):
+            o = me()
+            return None if o is None else getattr(o, method)(*hook_args)
+    else:
+        ref = weakref.ref(arg)
+
+        def hook(*hook_args):
+            o = me()
+            return None if o is None else getattr(o, method)(ref(), *hook_args)
+    return hook
 
 
 def rank() -> int:

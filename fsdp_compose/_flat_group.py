@@ -42,6 +42,35 @@ For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
   after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
   the backward all-gather runs within its group of N ranks.
 
+[Note: parameters without a gradient]
+The flat gradient has zeros wherever a parameter got no gradient, so it
+cannot tell "no gradient" from "a zero gradient". Plain PyTorch and DDP
+(``find_unused_parameters=True``) leave ``p.grad`` None for a parameter that
+no rank produced a gradient for (Adam/AdamW would otherwise still move it:
+momentum, weight decay), and ranks must agree on it (optimizer state, and
+every later collective, depend on it). So:
+
+- each group notes, per entry, whether this rank produced a gradient: a
+  pre-hook on each split node sees None for every view that got none
+  (``_before_split_backward``), OR-ed over the unit's uses and over the
+  microbatches the flat gradient sums (``set_requires_gradient_sync(False)``);
+- the flags travel with the reduction, so every rank learns whether any
+  rank produced each gradient, whatever its own graph was: in a bucket, and
+  for a flat gradient up to ``INLINE_FLAGS_BYTES``, as E more columns after
+  the group's chunk in the rank-major reduce-scatter input (the same on
+  every rank), so its output is the gradient shard then the flags' rank
+  average (``_launch_inline``: one copy of the flat gradient); a larger
+  group sends them in a tiny all-reduce (SUM, one fp32 per entry) right
+  after its reduce-scatter on the same process group. With HSDP they are
+  added into the partial sum and all-reduced over the replicas with the
+  gradient (inline: in the same collective);
+- folding: an entry no rank produced a gradient for, whose ``p.grad`` is
+  None, keeps None; an entry whose sharded Parameter does not require grad
+  (``requires_grad_(False)`` after fully_shard) is never touched; every other
+  entry gets the rank average, as before.
+A rank that produced every gradient does not read the counts (all >= 1):
+on CUDA that read would be a device-to-host copy.
+
 Layout (_layout.py): every parameter is contiguous in the unsharded flat and
 starts at a multiple of ``ALIGN_BYTES`` (gap elements are padding); rank
 chunks are equal (``S``), so every rank's shard starts aligned too.
@@ -59,10 +88,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _layout
-from ._common import META_FIX, ShardedState, unit_error
+from ._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
+# A flat gradient up to this size carries its used-flags in its own
+# reduce-scatter (one copy, into a buffer with E more columns); a larger one
+# sends them in a tiny all-reduce of their own, where that copy would cost
+# more than the collective's latency (see [Note: parameters without a gradient]).
+INLINE_FLAGS_BYTES = 256 << 10
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -188,7 +222,7 @@ class _GradLaunch:
     group: "FlatGroup"
     streams: StreamManager
     pending: Pending | None  # wait() gives the reduced output
-    mode: str  # "fresh" | "accumulate" | "mixed"
+    used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     done: bool = field(default=False)
@@ -198,7 +232,7 @@ class _GradLaunch:
         self.folded = True
         if self.span is not None:
             out = out[self.span[0]:self.span[1]]
-        self.group._finish_reduce(out, self.mode, self.post_divide, self.streams)
+        self.group._finish_reduce(out, self.used, self.post_divide, self.streams)
 
     def finish(self) -> None:
         if not self.done:
@@ -218,6 +252,39 @@ def _fold_all(launches: list[_GradLaunch]):
     return fold
 
 
+class _UsedFlags:
+    """Per entry of one group: whether this rank produced a gradient
+    (``local``), and what the reduction made of the flags: the E elements
+    after the gradient shard in the reduce-scatter output (``inline``), or
+    ``counts``, all-reduced by ``pending`` (None at world size 1)."""
+
+    def __init__(self, local: list[bool], inline: bool = False, pending: Pending | None = None,
+                 counts: torch.Tensor | None = None):
+        self.local, self.inline, self._pending, self.counts = local, inline, pending, counts
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def any_rank(self, trains) -> list[bool] | None:
+        """Per entry: did any rank produce a gradient (> 0: a sum or an
+        average); None: every entry that ``trains`` did here, nothing to read."""
+        if all(u or not t for u, t in zip(self.local, trains)):
+            return None
+        if self.counts is None:
+            return self.local
+        return [c > 0 for c in self.counts.tolist()]
+
+
+def _flags_tensor(flags: list[bool], device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    t = torch.tensor(flags, dtype=dtype)
+    if device.type == "cuda":  # no sync: from pinned memory, on the current stream
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class FlatGroup:
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
                  world: int, rank: int, pg, rs_pg,
@@ -228,7 +295,9 @@ class FlatGroup:
                  granularity: str = "row"):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
+        # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
         self.requires_grad: bool = first.requires_grad
+        self._trains: tuple[bool, ...] = (first.requires_grad,) * len(params)
         self.world, self.rank = world, rank
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
@@ -266,6 +335,13 @@ class FlatGroup:
         self.direct = self._can_be_direct()
 
         self._grad_hook = None
+        self._hooked_flat = None   # the flat tensor the grad hook is registered on
+        self._views_stale = False  # sync_requires_grad changed what the views must be
+        self._used = [False] * len(self.entries)  # see [Note: parameters without a gradient]
+        self._flags_row: tuple | None = None  # (flags, their tensor): read-only, reused
+        # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
+        self.on_grads_computed = None
+        self._split_prehook = weak_hook(self, "_before_split_backward")
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
             for e, (p, _, _), local in zip(self.entries, params, locals_):
@@ -274,12 +350,10 @@ class FlatGroup:
                     src = local.detach().reshape(-1)[slice(*e.local_range)]
                     self.shard[slice(*e.shard_range)].copy_(src)
 
-        self._grad_shard_ref = None   # weakref: see _adopt_grad_shard
-        self._grad_view_refs = None
         self._pending: Pending | None = None
         self._pf_shard: torch.Tensor | None = None   # post-forward shard (PARTIAL)
         self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
-        self._partial: torch.Tensor | None = None    # HSDP: reduce-scattered, not all-reduced
+        self._partial: tuple | None = None  # HSDP: (reduce-scattered, flags), not all-reduced
         self.unsharded_version = -1                  # shard._version when last gathered
 
     def _set_dtype(self, dtype: torch.dtype) -> None:
@@ -313,9 +387,9 @@ class FlatGroup:
         if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
             shard = shard.pin_memory()
         self.shard = shard
-        for i, e in enumerate(self.entries):
+        for i, (e, trains) in enumerate(zip(self.entries, self._trains)):
             if params is None:
-                e.sharded = nn.Parameter(e.piece(shard), requires_grad=self.requires_grad)
+                e.sharded = nn.Parameter(e.piece(shard), requires_grad=trains)
                 continue
             p = params[i]
             with torch.no_grad():
@@ -332,14 +406,38 @@ class FlatGroup:
         # `.data` shares storage but not the version counter: writing the
         # all-gather into it does not invalidate tensors saved for backward.
         self.flat_data = self.flat.data
-        if self._grad_hook is not None:
-            self.flat.register_post_accumulate_grad_hook(self._grad_hook)
+        self._hook_flat()
         self.refresh_views()
         self._free_flat()
 
     def set_grad_hook(self, hook) -> None:
+        """``hook`` runs when the flat gradient is accumulated (the post-backward);
+        registered whenever the flat requires grad (see sync_requires_grad)."""
         self._grad_hook = hook
-        self.flat.register_post_accumulate_grad_hook(hook)
+        self._hook_flat()
+
+    def _hook_flat(self) -> None:
+        if self._grad_hook is not None and self.flat.requires_grad \
+                and self._hooked_flat is not self.flat:
+            self.flat.register_post_accumulate_grad_hook(self._grad_hook)
+            self._hooked_flat = self.flat
+
+    def sync_requires_grad(self) -> bool:
+        """Follow ``requires_grad_()`` called on the sharded Parameters after
+        fully_shard (pre-forward, every rank alike). A frozen entry's view is
+        detached from the flat (no gradient, never folded into); a group with
+        no trainable entry left stops requiring grad (no reduce-scatter), and
+        starts again when one trains. Returns True when something changed."""
+        trains = tuple(e.sharded.requires_grad for e in self.entries)
+        if trains == self._trains:
+            return False
+        self._trains = trains
+        self.requires_grad = any(trains)
+        if not self.direct:  # (a direct group's Parameters are autograd's own leaves)
+            self.flat.requires_grad_(self.requires_grad)
+            self._hook_flat()
+            self._views_stale = True  # re-made at the next unshard (storage needed)
+        return True
 
     def materialize_(self, device: torch.device) -> None:
         """Give a group built on the meta device real (uninitialised) storage.
@@ -379,7 +477,6 @@ class FlatGroup:
         if self.offload and device.type != "meta":
             device = self.mesh_device  # the shard stays on CPU; the flat where it computes
         self._grad_hook = None
-        self._grad_shard_ref = self._grad_view_refs = None  # p.grad was replaced by _apply
         self._allocate(device, params)
         self.install_sharded()
         self.unsharded_version = -1
@@ -387,14 +484,11 @@ class FlatGroup:
             self.flat.grad = flat_grad.to(self.device, self.compute_dtype)
         if self._unsynced is not None:
             self._unsynced = self._unsynced.to(self.device, self.reduce_dtype)
-        if self._partial is not None:
-            self._partial = self._partial.to(self.device, self.reduce_dtype)
-
-    def forget_grad_views(self) -> None:
-        """Drop our weak references to the ``p.grad`` views (``torch.utils.swap_tensors``,
-        which ``_apply`` may use, refuses tensors that have weak references);
-        the next fold then adds into ``p.grad`` per parameter."""
-        self._grad_shard_ref = self._grad_view_refs = None
+        if self._partial is not None:  # (HSDP: the sum and its used-flags)
+            p_out, p_used = self._partial
+            if p_used.counts is not None:
+                p_used.counts = p_used.counts.to(self.device)
+            self._partial = (p_out.to(self.device, self.reduce_dtype), p_used)
 
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:
@@ -405,15 +499,30 @@ class FlatGroup:
             self.split_node = None
             return
         chunks = torch.split(self.flat, self._split_sizes)
-        for e, i in zip(self.entries, self._view_at):
-            v = chunks[i].view(e.shape)
+        for e, i, trains in zip(self.entries, self._view_at, self._trains):
+            v = chunks[i] if trains else chunks[i].detach()
+            v = v.view(e.shape)
             if e.tp is not None:  # the module sees its TP DTensor; grads flow to v
                 v = DTensor.from_local(v, e.tp.mesh, e.tp.placements, run_check=False,
                                        shape=e.tp.shape, stride=e.tp.stride)
             e.unsharded = v
         # the node that assembles flat.grad from the views' gradients (None: no grad)
         self.split_node = chunks[0].grad_fn
+        if self.split_node is not None:
+            self.split_node.register_prehook(self._split_prehook)
         self._views_installed = False
+        self._views_stale = False
+
+    def _before_split_backward(self, grad_outputs) -> None:
+        """The split node's pre-hook: note which views got a gradient (None:
+        none, see [Note: parameters without a gradient]), then tell the unit
+        (see [Note: gloo backward] in _unit.py)."""
+        used = self._used
+        for k, i in enumerate(self._view_at):
+            if grad_outputs[i] is not None:
+                used[k] = True
+        if self.on_grads_computed is not None:
+            self.on_grads_computed(grad_outputs)
 
     def install_sharded(self) -> None:
         for e in self.entries:
@@ -534,23 +643,12 @@ class FlatGroup:
     # gradient would make optimizers that normalise by the element count
     # divide by zero (torch.optim.Adafactor) and run matrix code on empty
     # matrices (Muon).
-    def _adopt_grad_shard(self, buf: torch.Tensor) -> None:
-        views = [None if e.held_elsewhere() else e.piece(buf) for e in self.entries]
-        for e, v in zip(self.entries, views):
-            e.sharded.grad = v
-        self._grad_shard_ref = weakref.ref(buf)
-        self._grad_view_refs = [None if v is None else weakref.ref(v) for v in views]
-
-    def _grad_mode(self) -> str:
-        """fresh: no p.grad is set; accumulate: every p.grad is our view; else mixed."""
-        grads = [e.sharded.grad for e in self.entries]
-        if all(g is None for g in grads):
-            return "fresh"
-        refs = self._grad_view_refs
-        if refs is not None and all(g is (r() if r is not None else None)
-                                    for g, r in zip(grads, refs)):
-            return "accumulate"
-        return "mixed"
+    def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
+        """``buf`` becomes the gradient shard of the entries in ``take`` (not
+        of an empty piece held elsewhere, see [Note: empty pieces])."""
+        for e, t in zip(self.entries, take):
+            if t and not e.held_elsewhere():
+                e.sharded.grad = e.piece(buf)
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -568,13 +666,31 @@ class FlatGroup:
         else:
             self._unsynced.add_(g)
 
+    def drop_grad(self) -> None:
+        """Forget the flat gradient and flags of a backward that raised midway."""
+        self.flat.grad = None
+        self._unsynced = None
+        self._used = [False] * len(self.entries)
+
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
-        flat_grad, mode, pre, post = self.take_grad()
+        inline = self.padded_numel * self.reduce_dtype.itemsize <= INLINE_FLAGS_BYTES
+        if self.world > 1 and inline:
+            return _launch_inline([self], streams)[0]
+        flat_grad, used, pre, post = self.take_grad()
         if self.world == 1:  # the flat gradient is the gradient shard
-            return _GradLaunch(self, streams, streams.ready(flat_grad), mode, post)
+            if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
+                out = torch.cat([flat_grad, self.flags_row(used)])
+                return _GradLaunch(self, streams, streams.ready(out),
+                                   _UsedFlags(used, inline=True), post)
+            return _GradLaunch(self, streams, streams.ready(flat_grad), _UsedFlags(used), post)
         op = dist.ReduceOp.AVG if pre is None else dist.ReduceOp.SUM
-        launch = _GradLaunch(self, streams, None, mode, post)
+        counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
+        # The flags' all-reduce is issued first: on CUDA the post-reduce (the
+        # fold, which reads them) runs as soon as the reduce-scatter is issued.
+        flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+        launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
+                             post)
         launch.pending = streams.reduce_scatter(flat_grad, self.rs_pg, op, _fold_all([launch]),
                                                 self.replicate_pg is not None)
         return launch
@@ -583,9 +699,17 @@ class FlatGroup:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
         return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas)
 
+    def flags_row(self, used: list[bool]) -> torch.Tensor:
+        """``used`` as a tensor in the reduce dtype on the device, to be copied
+        (the same flags step after step: made once)."""
+        key = (tuple(used), self.device, self.reduce_dtype)  # (a model moved or cast)
+        if self._flags_row is None or self._flags_row[0] != key:
+            self._flags_row = (key, _flags_tensor(used, self.device, self.reduce_dtype))
+        return self._flags_row[1]
+
     def take_grad(self):
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
-        microbatches added, pre-divided. Returns (flat_grad, fold mode, pre, post)."""
+        microbatches added, pre-divided. Returns (flat_grad, used flags, pre, post)."""
         flat_grad = self.flat.grad
         self.flat.grad = None
         if flat_grad is None:
@@ -595,57 +719,79 @@ class FlatGroup:
         if self._unsynced is not None:
             flat_grad = flat_grad.add_(self._unsynced)
             self._unsynced = None
-        mode = self._grad_mode()
+        used, self._used = self._used, [False] * len(self.entries)
         pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
         if pre is not None:
             flat_grad.div_(pre)
-        return flat_grad, mode, pre, post
+        return flat_grad, used, pre, post
 
-    def _finish_reduce(self, out: torch.Tensor, mode: str, post: float | None,
+    def _split_flags(self, out: torch.Tensor, used: _UsedFlags):
+        """(gradient shard, flag sums): views into ``out`` when the flags came
+        inline, else ``used.counts``."""
+        if used.inline:
+            return out[:self.shard_numel], out[self.shard_numel:]
+        if used.counts is None:  # (shard world size 1: the flags are local)
+            used.counts = _flags_tensor(used.local, self.device)
+        return out, used.counts
+
+    def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
                        streams: StreamManager) -> None:
         """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py)."""
+        used.wait()
         if self.replicate_pg is not None:  # HSDP: then across the replicas
-            if self._partial is not None:
-                out = out.add_(self._partial)
-                streams.hold(self._partial)
+            grad, counts = self._split_flags(out, used)
+            if self._partial is not None:  # (its gradient and flags are added alike)
+                p_out, p_used = self._partial
+                p_grad, p_counts = self._split_flags(p_out, p_used)
+                grad.add_(p_grad)
+                counts.add_(p_counts.to(counts.dtype))
+                used.local = [a or b for a, b in zip(used.local, p_used.local)]
+                streams.hold(p_out)
+                streams.hold(p_counts)
                 self._partial = None
             if not self.requires_all_reduce:
-                self._partial = out  # p.grad is left alone until an all-reduced backward
+                self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
                 return
             op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-            _collectives.all_reduce(out, op, self.replicate_pg)
+            _collectives.all_reduce(out, op, self.replicate_pg)  # (inline: the flags too)
+            if not used.inline:
+                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg)
+        if used.inline:
+            out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
         if post is not None:
             out.div_(post)
         if self.offload:  # device-to-host, folded once the copy has landed
             host = streams.to_host(out, self.dtype, self.pin_memory)
-            # the mode is read then: an earlier fold of this group may be waiting too
-            streams.on_host(lambda: self._fold_grad(host, self._grad_mode()))
+            if used.counts is not None:  # (read by the fold, after the copy)
+                used.counts = streams.to_host(used.counts, used.counts.dtype, self.pin_memory)
+            # p.grad is read then: an earlier fold of this group may be waiting too
+            streams.on_host(lambda: self._fold_grad(host, used.any_rank(self._trains)))
             return
         if out.dtype != self.dtype:
             out = out.to(self.dtype)
-        self._fold_grad(out, mode)
+        self._fold_grad(out, used.any_rank(self._trains))
 
-    def _fold_grad(self, out: torch.Tensor, mode: str) -> None:
+    def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
+        """Add this reduction into p.grad, see [Note: parameters without a gradient].
+        ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
-            if mode == "fresh":
-                self._adopt_grad_shard(out)
-            elif mode == "accumulate":
-                buf = self._grad_shard_ref()
-                if buf is not None:
-                    buf.add_(out)
-                else:  # adopted a view of a bucket's output: only the p.grad views hold it
-                    for e in self.entries:
-                        if e.sharded.grad is not None:
-                            e.sharded.grad.add_(e.piece(out))
-            else:  # some p.grad were set to None or replaced by the user
-                for e in self.entries:
-                    piece = e.piece(out)
-                    g = e.sharded.grad
-                    if g is None:
-                        if not e.held_elsewhere():
-                            e.sharded.grad = piece.clone()
-                    else:
-                        g.add_(piece.view_as(g))
+            entries = self.entries
+            if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
+                take = [t and (any_rank is None or any_rank[k])
+                        for k, t in enumerate(self._trains)]
+                self._adopt_grad_shard(out, take)
+                return
+            # accumulation without zero_grad, a partial zero_grad (an optimizer
+            # over part of the unit), p.grad set by the user: one by one
+            for k, e in enumerate(entries):
+                if not self._trains[k]:
+                    continue  # frozen: backward leaves p.grad alone
+                g = e.sharded.grad
+                piece = e.piece(out)
+                if g is not None:
+                    g.add_(piece.view_as(g))
+                elif (any_rank is None or any_rank[k]) and not e.held_elsewhere():
+                    e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
 
     def __repr__(self) -> str:
         dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
@@ -657,23 +803,40 @@ class FlatGroup:
 def launch_bucket(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
     """ONE reduce-scatter for several groups with the same ``bucket_key()``.
 
-    The input is rank-major: for each rank r, every group's chunk r in turn
-    (one ``cat`` of the flat gradients viewed as (W, S_i)), so the output is
-    every group's gradient shard end to end; each group adopts its slice
-    (a view). For many small units, where a collective's latency dominates
-    its bytes: one collective instead of one per unit, for one copy.
+    For many small units, where a collective's latency dominates its bytes:
+    one collective instead of one per unit, for one copy (``_launch_inline``).
     """
     first = groups[0]
-    if first.world == 1 or len(groups) == 1:  # nothing to merge: no copy
+    if first.world == 1 or len(groups) == 1:  # nothing to merge
         return [g.launch_reduce_scatter(streams) for g in groups]
+    return _launch_inline(groups, streams)
+
+
+def _launch_inline(groups: list[FlatGroup], streams: StreamManager) -> list[_GradLaunch]:
+    """Reduce-scatter the groups' flat gradients with their used-flags inline.
+
+    The input is rank-major: for each rank r, every group's chunk r followed
+    by its E flags (the same in every chunk), in turn: one ``cat`` of the flat
+    gradients viewed as (W, S_i) and the flags as (W, E_i). The output is, for
+    every group, its gradient shard then the rank average of its flags (> 0
+    where any rank produced the gradient), end to end; each group adopts its
+    slice (a view).
+    """
+    first = groups[0]
     taken = [g.take_grad() for g in groups]
     W = first.world
-    flat = torch.cat([t[0].view(W, g.shard_numel) for g, t in zip(groups, taken)], dim=1)
+    cols = []
+    for g, (flat_grad, used, _, _) in zip(groups, taken):
+        cols.append(flat_grad.view(W, g.shard_numel))
+        cols.append(g.flags_row(used).expand(W, len(used)))
+    flat = torch.cat(cols, dim=1)
     op = dist.ReduceOp.AVG if taken[0][2] is None else dist.ReduceOp.SUM
     launches, at = [], 0
-    for g, (_, mode, _, post) in zip(groups, taken):
-        launches.append(_GradLaunch(g, streams, None, mode, post, (at, at + g.shard_numel)))
-        at += g.shard_numel
+    for g, (_, used, _, post) in zip(groups, taken):
+        n = g.shard_numel + len(used)
+        launches.append(_GradLaunch(g, streams, None, _UsedFlags(used, inline=True), post,
+                                    (at, at + n)))
+        at += n
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op, _fold_all(launches),
                                      first.replicate_pg is not None)  # waited once, shared
     for launch in launches:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Iterable, overload
 
 import torch
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import TrainingState, default_device, root_setting_fix, unit_error
+from ._common import TrainingState, default_device, rank as _rank, root_setting_fix, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._flat_group import FlatGroup, PostForward
 from ._layout import GRANULARITIES
@@ -19,10 +20,91 @@ from ._state import assign_fqns, unit_of
 from . import _torch_hooks
 from ._unit import Unit
 
+
+class _ShardedParams:
+    """Every sharded Parameter we created -> (group, entry).
+
+    Weak both ways: a key is held only by its entry, so a value holding the
+    entry (or its group) strongly would keep the key, and with it the whole
+    model, alive for the life of the process. ``get`` gives None once the
+    model is gone.
+    """
+
+    def __init__(self):
+        self._refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __setitem__(self, param: nn.Parameter, hit: tuple) -> None:
+        g, e = hit
+        self._refs[param] = (weakref.ref(g), weakref.ref(e))
+
+    def get(self, param):
+        refs = self._refs.get(param)
+        if refs is None:
+            return None
+        g, e = refs[0](), refs[1]()
+        return None if g is None or e is None else (g, e)
+
+    def __contains__(self, param) -> bool:
+        return self.get(param) is not None
+
+    def pop(self, param) -> None:
+        self._refs.pop(param, None)
+
+
 # Every sharded Parameter we created -> (group, entry); and every original
-# Parameter we replaced -> the unit that owns it (to catch ties across units).
-_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Parameter we replaced -> the unit that owns it (to catch ties across units,
+# and an optimizer built before fully_shard: _check_optimizer). A unit holds
+# no original Parameter, so the second map holds no key of its own either.
+_SHARDED = _ShardedParams()
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_ORIGINAL_ENTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original -> weakref(entry)
+
+
+# ------------------------------------------------------------------------
+# An optimizer built before fully_shard holds the original Parameters, which
+# no module uses any more: it would step tensors without gradients and the
+# model would silently never train. torch.optim's global step pre-hook lets
+# us refuse that at the first step, on every rank alike (each rank built its
+# optimizer the same way). Checked once per optimizer and parameter count.
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OPTIMIZER_HOOK = None
+
+
+def _install_optimizer_check() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _replaced_name(p) -> str | None:
+    """The FQN of ``p`` if fully_shard or materialize replaced it, else None."""
+    if p in _REPLACED:
+        ref = _ORIGINAL_ENTRY.get(p)
+        e = ref() if ref is not None else None
+        return e.fqn if e is not None else f"a parameter of unit '{_REPLACED[p].fqn}'"
+    hit = _SHARDED.get(p)
+    if hit is not None and hit[1].sharded is not p:  # a meta Parameter before materialize
+        return hit[1].fqn
+    return None
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == n:
+        return
+    stale = [name for g in optimizer.param_groups for p in g["params"]
+             if (name := _replaced_name(p)) is not None]
+    if stale:
+        shown = ", ".join(repr(s) for s in stale[:8]) + (
+            f" and {len(stale) - 8} more" if len(stale) > 8 else "")
+        raise RuntimeError(
+            f"fsdp_compose [rank {_rank()}]: {type(optimizer).__name__}.step(): the "
+            f"optimizer holds {len(stale)} parameter(s) that fully_shard (or materialize) "
+            f"replaced: {shown}. No module uses them any more, so they get no gradient and "
+            "the model would never train. Build the optimizer after fully_shard (and after "
+            "materialize), from model.parameters().")
+    _CHECKED_OPTIMIZERS[optimizer] = n
 
 
 class FSDPModule:
@@ -133,6 +215,16 @@ class FSDPModule:
         for u in self._units(recurse):
             for g in u.groups:
                 g.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, backward does not all-gather this unit's parameters: for
+        a unit whose backward needs none of their values (an embedding needs
+        only the indices and the output gradient). Its gradients are reduced as
+        usual. Only for such units: a backward that reads the parameters then
+        reads freed memory (as in torch FSDP2). A forward recomputed in
+        backward (activation checkpointing) still gathers them. Not recursive,
+        as in FSDP2; every rank must use the same setting."""
+        self._unit().unshard_in_backward = bool(unshard_in_backward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -275,10 +367,9 @@ def _before_apply(units: list[Unit]) -> None:
         u.kept_after_backward = False
         u.reshard()
         if swap:
-            for g in u.groups:
-                g.forget_grad_views()
+            for g in u.groups:  # (swap_tensors refuses tensors with weak references)
                 for e in g.entries:
-                    _SHARDED.pop(e.sharded, None)
+                    _SHARDED.pop(e.sharded)
 
 
 def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
@@ -641,8 +732,11 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         for e in g.entries:
             _SHARDED[e.sharded] = (g, e)
     register_state_dict_hooks(unit)
-    for p, _, _ in params:
+    entry_of = {id(e.slots): e for g in groups for e in g.entries}
+    for p, slots, _ in params:
         _REPLACED[p] = unit
+        _ORIGINAL_ENTRY[p] = weakref.ref(entry_of[id(slots)])
+    _install_optimizer_check()
     for m in modules:
         _move_buffers(m, device)
         m.__dict__["_fsdp_unit"] = unit

@@ -18,11 +18,20 @@ units whose forward ran with a backward to follow:
   every unit before it in that order is gathered first (once per backward).
 - Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
   pre-forward (the order their gradients complete: the root, whose first
-  parameters are used first, last). A unit whose gradients are ready waits
-  until every trainable unit before it was issued; the root's final callback
-  issues the rest, zero-filled where this rank produced no gradient. They run
-  on a second process group over the same ranks, so the two streams of
-  collectives cannot block each other.
+  parameters are used first, last), then the units whose reduction an
+  earlier backward left unfinished (without gradient sync, or HSDP without
+  the all-reduce) and that did not run in this one (``_pending``: their
+  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A
+  unit whose gradients are ready waits until every trainable unit before it
+  was issued; the root's final callback issues the rest, zero-filled where
+  this rank produced no gradient. They run on a second process group over
+  the same ranks, so the two streams of collectives cannot block each other.
+- Both orders include the units that ran as a no-grad island of the training
+  forward (a reentrant checkpoint: its recomputation in backward gathers
+  them, and their gradients come from a nested backward), at the place of
+  their forward: a rank whose graph reaches them at another moment still
+  issues the same collectives. If they are never recomputed, the final
+  callback gathers them and reduces zeros (their ``p.grad`` stays None).
 (One order for both gathered the whole model at the root's pre-backward.)
 Ranks never diverge, and a parameter used on only some ranks still gets the
 rank-average gradient. At most one unit's reduce-scatters are in flight at a
@@ -122,6 +131,10 @@ class RootContext:
         self._first_pre: dict[Unit, int] = {}       # ... a unit's first pre-forward
         self._last_post: dict[Unit, int] = {}       # ... its last post-forward (grad follows)
         self._regions: dict[Unit, set] = {}         # checkpoint regions its forwards ran in
+        # ... and those that ran as a no-grad island of the training forward
+        # (a reentrant checkpoint recomputes them in backward): the units of
+        # the two backward orders, see the Note
+        self._in_orders: dict[Unit, None] = {}
         # per backward
         self._callback_queued = False
         self._outer_task = -1                   # graph task of the backward we finish
@@ -139,6 +152,10 @@ class RootContext:
         self._bucket_bytes = 0                   # ... and their flat gradients' size
         self._following: list | None = None      # see _next_reduced_bytes
         self.accumulated = False                # a flat gradient arrived in this backward
+        # units in the reduce order of a backward that did not finish their
+        # reduction (Unit.completes_reduction), not finished since: every rank
+        # alike (see the Note)
+        self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
 
@@ -154,6 +171,7 @@ class RootContext:
             self._first_pre.clear()
             self._last_post.clear()
             self._regions.clear()
+            self._in_orders.clear()
             for u in self.units:
                 u.uses = 0
                 # left unsharded by a forward with no backward: may be stale
@@ -213,9 +231,11 @@ class RootContext:
         if i is None:
             return False
         units, total = [], 0
+        backward = self._callback_queued
         for v in order[i:]:
             nbytes = v.gather_bytes()
-            if nbytes is None or (units and total + nbytes > limit):
+            if nbytes is None or (units and total + nbytes > limit) \
+                    or (backward and not v.unshard_in_backward):
                 break
             units.append(v)
             total += nbytes
@@ -234,9 +254,14 @@ class RootContext:
                     gather_bucket(groups, self.streams)
         return True
 
-    def expect_backward(self, unit: Unit) -> None:
-        self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
-        self._grad_follows[unit] = None
+    def expect_backward(self, unit: Unit, island: bool = False) -> None:
+        """``unit``'s forward ended with a backward to follow, or (``island``)
+        ran without grad inside the training forward."""
+        if not island:
+            self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
+            self._grad_follows[unit] = None
+        self._in_orders.pop(unit, None)
+        self._in_orders[unit] = None
         self._clock += 1
         self._last_post[unit] = self._clock
 
@@ -257,21 +282,26 @@ class RootContext:
 
     def reduce_order(self) -> list[Unit]:
         if self._order is None:
-            self._order = [u for u in reversed(self._step_order) if u in self._grad_follows]
+            order = [u for u in reversed(self._step_order) if u in self._in_orders]
+            self._order = order + [u for u in self._pending
+                                   if u not in self._in_orders and u.completes_reduction()]
         return self._order
 
-    def unshard_for_backward(self, unit: Unit) -> None:
-        """Issue the all-gather of ``unit`` and, first, of every unit before it
-        in the gather order; then prefetch (no wait). Prefetching is more of
-        the same prefix, so it never reorders collectives."""
-        if unit in self._grad_follows:
+    def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
+        """Issue the all-gather of ``unit`` (unless not ``need``ed: see
+        set_unshard_in_backward) and, first, of every unit before it in the
+        gather order; then prefetch (no wait). Prefetching is more of the same
+        prefix, so it never reorders collectives. Units that do not unshard in
+        backward are skipped in that order, on every rank alike."""
+        if unit in self._in_orders:
             # On gloo a unit resharded after forward prefetches once its
             # gradients are computed, see [Note: gloo backward] in _unit.py; a
             # unit that kept its parameters (the root), or whose gradients have
             # no hook (frozen), prefetches now.
             late = unit.grads_hooked and unit.reshard_after_forward
             self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
-        unit.unshard()
+        if need:
+            unit.unshard()
 
     def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
         pos = self._gather_positions()
@@ -285,12 +315,12 @@ class RootContext:
 
     def prefetch_backward_late(self, unit: Unit) -> None:
         """See [Note: gloo backward] in _unit.py (a no-op for what was prefetched)."""
-        if unit in self._grad_follows:
+        if unit in self._in_orders:
             self._gather_up_to(self._prefetch_stop(unit))
 
     def _gather_positions(self) -> dict[Unit, int]:
         if self._gather_order is None:
-            self._gather_order = list(reversed(self._grad_follows))
+            self._gather_order = list(reversed(self._in_orders))
             self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
         return self._gather_pos
 
@@ -301,7 +331,9 @@ class RootContext:
         while self._gather_next <= stop:
             self._issue_reductions(demand=True, final=final)
             self._gather_next += 1
-            self._gather_order[self._gather_next - 1].unshard()
+            unit = self._gather_order[self._gather_next - 1]
+            if unit.unshard_in_backward:
+                unit.unshard()
         self._issue_reductions(final=final)
 
     def _reduces(self, unit: Unit) -> bool:
@@ -323,6 +355,10 @@ class RootContext:
                 reach.append(best)
             slots, ended, floor = [], 0, 0
             for u in self.reduce_order():  # first pre-forward, latest first
+                if u not in self._first_pre:  # pending from an earlier backward: last
+                    floor = max(floor, len(gather) - 1)
+                    slots.append(floor)
+                    continue
                 while ended < len(gather) and self._last_post[gather[ended]] > self._first_pre[u]:
                     ended += 1  # gather[:ended]: forwards that ended after u's began
                 last = max([ended - 1] + [region_end[r] for r in self._regions.get(u, ())])
@@ -346,7 +382,7 @@ class RootContext:
     def grads_ready(self, unit: Unit) -> None:
         if not unit.requires_gradient_sync:
             return  # flat.grad stays and accumulates; the next synced backward reduces it
-        if unit in self._launched or unit not in self._grad_follows:
+        if unit in self._launched or unit not in self._in_orders:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
             # or a unit outside the backward order (reentrant recomputation): now
             self._launch(unit)
@@ -443,6 +479,12 @@ class RootContext:
             # finish the one sequence (see the Note), zero-filling what is left.
             self._gather_up_to(len(self._gather_positions()) - 1, final=True)
             self._issue_reductions(final=True)
+            if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
+                for u in self.reduce_order():
+                    if u.trainable and not u.completes_reduction():
+                        self._pending[u] = None
+                    else:
+                        self._pending.pop(u, None)
             if self.root.is_last_backward or self.streams.host_work_pending:
                 self._drain()
                 self.streams.finish_host_work()  # CUDA offload: the one sync
@@ -472,9 +514,10 @@ class RootContext:
             self.streams.abandon(launch.pending)
         self._in_flight = []
         self.streams.abort()
+        self._pending.clear()  # (drop_grad below forgets what they accumulated)
         for u in self.units:
             for g in u.groups:
-                g.flat.grad = None
+                g.drop_grad()
             u.finish_backward()
         self._reset_backward()
         self._new_step = True

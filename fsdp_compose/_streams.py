@@ -180,6 +180,16 @@ class StreamManager:
         held, self._held = tuple(self._held), []
         return Pending(work, (flat_grad, out) + held)
 
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
+        """In place; small tensors that travel with the reduce-scatters (the
+        used-flags of [Note: parameters without a gradient] in _flat_group.py),
+        so on the reduce-scatter stream."""
+        if self._rt is None:
+            return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,))
+        work = self._on(self.reduce_scatter_stream,
+                        lambda: _collectives.all_reduce_async(tensor, op, group))
+        return Pending(work, (tensor,))
+
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:
         """Nothing to communicate (one rank): ``wait()`` returns ``result``."""

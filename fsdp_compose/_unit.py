@@ -19,7 +19,6 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import ShardedState, TrainingState, label, trace, unit_error
+from ._common import ShardedState, TrainingState, label, trace, unit_error, weak_hook
 from ._flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -42,7 +41,8 @@ class Unit:
         self.groups = groups
         self.device = device  # its mesh's device (a root without parameters takes it)
         # groups whose flat gradient we reduce (a direct group's Parameters get
-        # their gradients from autograd, see [Note: world size 1]); see hook_groups
+        # their gradients from autograd, see [Note: world size 1]); follows
+        # requires_grad_() on the Parameters (see _sync_requires_grad); see hook_groups
         self.trainable: list[FlatGroup] = []
         self.fqn = label
         self.user_reshard_after_forward = reshard_after_forward
@@ -50,6 +50,9 @@ class Unit:
         # False: stay gathered after backward (the next forward all-gathers
         # nothing, unless an optimizer step changed a shard meanwhile)
         self.reshard_after_backward = True
+        # False (set_unshard_in_backward): backward does not need the parameters
+        # (e.g. an embedding): no all-gather for this unit in backward
+        self.unshard_in_backward = True
         self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
         self.kept_after_backward = False  # left gathered by the last backward (see above)
         mp = mp_policy
@@ -77,7 +80,7 @@ class Unit:
         self.requires_gradient_sync = True
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
-        self._ready: set[int] = set()  # trainable groups whose grad arrived this backward
+        self._ready: set[FlatGroup] = set()  # trainable groups whose grad arrived this backward
         self.hook_groups()
 
     def hook_groups(self) -> None:
@@ -86,8 +89,9 @@ class Unit:
         groups are direct may have changed."""
         self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
         self._ready.clear()
-        for g in self.trainable:
-            g.set_grad_hook(self._make_grad_hook(g))
+        for g in self.groups:
+            if not g.direct:  # (registered on the flat whenever it requires grad)
+                g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
@@ -181,6 +185,7 @@ class Unit:
                 ctx.root_pre_forward()
             self._assert_state(TrainingState.IDLE, where="pre_forward")
             trace("pre_forward", self.fqn, self.state.name)
+            self._sync_requires_grad()
             self.state = TrainingState.FORWARD
             ctx.record_forward(self)
             with label("pre_forward", self.fqn), _compat.functorch_disabled():
@@ -190,6 +195,15 @@ class Unit:
                 self.wait_for_unshard()
         self._forward_depth += 1
         return self._cast(self._cast_inputs, (args, kwargs))
+
+    def _sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_()`` called on the sharded Parameters since the
+        last forward (see FlatGroup.sync_requires_grad)."""
+        changed = False
+        for g in self.groups:
+            changed |= g.sync_requires_grad()
+        if changed:
+            self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
 
     @staticmethod
     def _cast(dtype, tree):
@@ -213,12 +227,15 @@ class Unit:
         """
         if torch.is_grad_enabled():
             hook = self.ctx.streams.waits_block_cpu
-            for g in self.trainable:
-                if g._aliased:
+            for g in self.groups:
+                trains = g.requires_grad and not g.direct
+                # (any group whose requires_grad changed: its views must follow)
+                if not (g._views_stale or (trains and not g._aliased)):
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    g.split_node.register_prehook(functools.partial(self._grads_computed, g))
+                    if g.on_grads_computed is None:  # (called by the split node's pre-hook)
+                        g.on_grads_computed = weak_hook(self, "_grads_computed", g)
                     self.grads_hooked = True
 
     @_compat.outside_functorch
@@ -279,6 +296,8 @@ class Unit:
         grad_follows = torch.is_grad_enabled() and bool(outs)
         if grad_follows:
             self.ctx.expect_backward(self)
+        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
+            self.ctx.expect_backward(self, island=True)  # see [Note: collective order]
         # An eval forward (no backward follows, and not inside a training
         # forward of the root, where a no-grad island is e.g. a reentrant
         # checkpoint whose recomputation wants the parameters) frees them
@@ -306,29 +325,22 @@ class Unit:
             trace("pre_backward_again", self.fqn, self.state.name)
             self._ready.clear()
             self.state = TrainingState.PRE_BACKWARD
-            self.unshard()
-            self.wait_for_unshard()
+            if self.unshard_in_backward:
+                self.unshard()
+                self.wait_for_unshard()
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
         with label("pre_backward", self.fqn):
-            self.ctx.unshard_for_backward(self)
+            self.ctx.unshard_for_backward(self, need=self.unshard_in_backward)
             self.wait_for_unshard()
 
-    def _make_grad_hook(self, group: FlatGroup):
-        idx = self.trainable.index(group)
-
-        def hook(_flat: torch.Tensor) -> None:
-            self._on_grad_accumulated(idx)
-
-        return hook
-
     @_compat.outside_functorch
-    def _on_grad_accumulated(self, idx: int) -> None:
+    def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
         ctx = self._ensure_ctx()
         ctx.on_backward_hook()
         ctx.accumulated = True
-        self._ready.add(idx)
+        self._ready.add(group)
         if len(self._ready) < len(self.trainable):
             return
         if self._uses_seen < self.uses and ctx.in_nested_backward():
@@ -346,6 +358,12 @@ class Unit:
             for g in self.trainable:
                 g.stash_unsynced_grad()
         ctx.grads_ready(self)
+
+    def completes_reduction(self) -> bool:
+        """Reducing now ends in p.grad: gradient sync on and, with HSDP, the
+        all-reduce across replicas on (else the reduction stays pending)."""
+        return self.requires_gradient_sync and all(
+            g.requires_all_reduce or g.replicate_pg is None for g in self.trainable)
 
     def launch_reduce_scatters(self) -> list:
         got = any(g.flat.grad is not None for g in self.trainable)

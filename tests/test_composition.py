@@ -842,17 +842,12 @@ def test_activation_checkpointing(ws, name):
         assert res["counts"] == base[r]["counts"]
 
 
-# Reentrant checkpoints AROUND units run those units' forwards without grad:
-# the units are outside the backward's gather and reduce orders, so in backward
-# they gather and reduce-scatter per unit, not in buckets (a gap, not a promise).
-REENTRANT_AROUND = ("around_wrapper_reentrant", "around2_reentrant")
-
-
+# Reentrant checkpoints AROUND units run those units' forwards without grad;
+# the units still join the backward's gather and reduce orders at the place of
+# their forward (see [Note: collective order] in _state.py), so in backward
+# they are gathered and reduce-scattered in buckets like the others.
 def _bucketed_ac_params():
-    gap = pytest.mark.xfail(strict=True, raises=AssertionError,
-                            reason="units inside a reentrant checkpoint are not bucketed in backward")
-    return [pytest.param(n, id=n, marks=[gap] if n.split("/")[1] in REENTRANT_AROUND else [])
-            for n in _cases("ac_bucketed/")]
+    return [pytest.param(n, id=n) for n in _cases("ac_bucketed/")]
 
 
 @ws_param
@@ -1095,10 +1090,10 @@ post_forward layers.1 FORWARD
 reshard layers.1 FORWARD
 post_forward FORWARD
 pre_backward IDLE
+all_gather layers.1 IDLE
 pre_forward_recompute layers.0 IDLE
 all_gather layers.0 IDLE
 pre_forward_recompute layers.1 IDLE
-all_gather layers.1 IDLE
 post_backward layers.1 IDLE
 reshard layers.1 POST_BACKWARD
 reduce_scatter layers.1 ready

@@ -6,7 +6,8 @@ it checks is what the CUDA path relies on (see [Note: side streams] in
 fsdp_compose/_streams.py):
 
 - every all-gather is issued on the all-gather stream, every reduce-scatter
-  on the reduce-scatter stream, never on the compute stream;
+  (and the all-reduce of its used-flags) on the reduce-scatter stream, never
+  on the compute stream;
 - before issuing, the side stream waits for an event just recorded on the
   compute stream (the inputs are written); after, it records an event that
   the compute stream waits for before the result is used;
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compose._state as state_mod
-from fsdp_compose import _collectives, fully_shard, param_info
+from fsdp_compose import _collectives, _flat_group, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
@@ -91,7 +92,7 @@ def _train(streams: bool, per_unit: bool):
         made = state_mod.StreamManager
         state_mod.StreamManager = lambda device: made(device, runtime=rt)
         patched.append(lambda: setattr(state_mod, "StreamManager", made))
-        for kind in ("all_gather", "reduce_scatter"):
+        for kind in ("all_gather", "reduce_scatter", "all_reduce_async"):
             real = getattr(_collectives, kind)
 
             def issue(*args, _real=real, _kind=kind, **kw):
@@ -104,6 +105,10 @@ def _train(streams: bool, per_unit: bool):
 
             setattr(_collectives, kind, issue)
             patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
+    if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
+        inline = _flat_group.INLINE_FLAGS_BYTES
+        _flat_group.INLINE_FLAGS_BYTES = 0
+        patched.append(lambda: setattr(_flat_group, "INLINE_FLAGS_BYTES", inline))
     try:
         for layer in model.layers:
             fully_shard(layer)
@@ -148,7 +153,7 @@ def _check_protocol(log: list) -> list[str]:
         return ["no collective was issued"]
     for i in issues:
         _, stream, kind = log[i]
-        want = {"all_gather": "ag", "reduce_scatter": "rs"}[kind]
+        want = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce_async": "rs"}[kind]
         if stream != want:
             bad.append(f"{kind} issued on {stream}")
             continue
@@ -181,7 +186,10 @@ def test_side_stream_protocol(world, per_unit):
         assert all(torch.equal(a, b) for a, b in zip(default["params"], streams["params"]))
         assert _check_protocol(streams["log"]) == []
         kinds = {e[2] for e in streams["log"] if e[0] == "issue"}
-        assert kinds == {"all_gather", "reduce_scatter"}
+        # per unit, the used-flags go in an all-reduce of their own (forced:
+        # these flat gradients are small enough to carry them inline)
+        assert kinds == {"all_gather", "reduce_scatter"} | ({"all_reduce_async"} if per_unit
+                                                            else set())
 
 
 def test_protocol_check_can_fail():
