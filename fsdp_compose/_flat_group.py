@@ -240,6 +240,7 @@ class _GradLaunch:
             self.done = True
             if not self.folded:
                 self.fold(out)
+            self.used.release()
 
 
 def _fold_all(launches: list[_GradLaunch]):
@@ -263,6 +264,15 @@ class _UsedFlags:
         self.local, self.inline, self._pending, self.counts = local, inline, pending, counts
 
     def wait(self) -> None:
+        """Order the caller (the post-reduce: on CUDA a side stream) after the
+        flags' all-reduce."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def release(self) -> None:
+        """The compute stream waits too, then the flags' buffer may go (see
+        [Note: side streams] in _streams.py: every collective is waited by the
+        stream that allocated its tensors)."""
         if self._pending is not None:
             self._pending.wait()
             self._pending = None

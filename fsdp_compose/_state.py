@@ -512,6 +512,7 @@ class RootContext:
     def _abort_step(self) -> None:
         for launch in self._in_flight:  # never drop what a side stream still writes
             self.streams.abandon(launch.pending)
+            launch.used.release()  # (its used-flags' all-reduce likewise)
         self._in_flight = []
         self.streams.abort()
         self._pending.clear()  # (drop_grad below forgets what they accumulated)
