@@ -170,7 +170,7 @@ def outside_functorch(fn: Callable) -> Callable:
 
 
 # --------------------------------------------------------------------------
-# Checkpoints (issue 6): ShardedTensor, see docs/design.md "Checkpoints".
+# Checkpoints: ShardedTensor, see docs/design.md "Checkpoints".
 # --------------------------------------------------------------------------
 def sharded_tensor(global_shape, dtype: torch.dtype, local: list, everyone: list, pg):
     """A ``ShardedTensor`` of ``global_shape`` from this rank's boxes, no collective.
