@@ -47,6 +47,12 @@ class _ShardedParams:
     def __contains__(self, param) -> bool:
         return self.get(param) is not None
 
+    def __getitem__(self, param) -> tuple:
+        hit = self.get(param)
+        if hit is None:
+            raise KeyError("not a Parameter sharded by fully_shard (or its model is gone)")
+        return hit
+
     def pop(self, param) -> None:
         self._refs.pop(param, None)
 

@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, comm_stats,
                           fully_shard, materialize, reset_comm_stats)
 
+from fsdp_compose import _layout
+
 from ._dist import run_distributed
 from .test_grad_semantics import FreezeNet, adamw, batch, grad_problems, param_problems, shard_units
 
@@ -177,8 +179,8 @@ def test_set_unshard_in_backward(world, per_unit):
         if world == 1:
             assert gathers_all == gathers_skip == [(0, 0)] * 3
             continue
-        # the embedding's unsharded size (13 x 6 floats, padded to the ranks)
-        embed_bytes = -(-13 * 6 // (4 * world)) * 4 * world * 4
+        # the embedding's unsharded size (13 x 6 floats, laid out for the ranks)
+        embed_bytes = _layout.plan([_layout.Slot(13, 6)], world, 4, "row").numel * 4
         for (calls_all, bytes_all), (calls_skip, bytes_skip) in zip(gathers_all, gathers_skip):
             assert bytes_all - bytes_skip == embed_bytes
             if per_unit:  # 4 in forward, 3 in backward (the root is kept) vs 2
