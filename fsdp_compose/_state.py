@@ -374,13 +374,8 @@ class RootContext:
         if self.in_nested_backward():
             return False  # the engine would answer for the nested backward
         if self._gets_grad is None:
-            # (a unit whose forward ran as a no-grad island, or that is pending
-            # from an earlier backward, has no split node of this backward: its
-            # gradient, if any, comes from a nested backward the engine cannot
-            # see ahead, so it is never zero-filled early)
-            self._gets_grad = {u: u not in self._grad_follows or any(
-                                   _compat.will_execute(g.split_node.next_functions[0][0])
-                                   for g in u.trainable if g.split_node is not None)
+            self._gets_grad = {u: any(_compat.will_execute(g.split_node.next_functions[0][0])
+                                      for g in u.trainable if g.split_node is not None)
                                for u in self.reduce_order() if self._reduces(u)}
         return any(self._gets_grad.values()) and not self._gets_grad.get(unit, False)
 
