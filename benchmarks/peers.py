@@ -5,6 +5,7 @@
     python -m benchmarks.peers --world-size 1        # adds "local" (plain PyTorch)
     python -m benchmarks.peers --profile fsdp_compose --shape overhead
     python -m benchmarks.peers --setting fp32 bf16 offload accum   # a table per setting
+    python -m benchmarks.peers --compile             # each block torch.compile'd (inductor)
     torchrun --nproc-per-node 8 -m benchmarks.peers --impls fsdp_compose   # NCCL, one impl per run
 
 Implementations (``--impls``):
@@ -41,6 +42,16 @@ to every implementation that has them, skipped (and said so) for the others:
                 whole on one rank: Newton-Schulz runs on one rank, exactly),
                 FSDP2 on its DTensor shards; not FSDP1 (its 1-D flat views
                 are not matrices). Loss checked against DDP.
+Compiled (``--compile [blocks|model]``, backend ``--compile-backend``, default
+inductor): every implementation compiled the same way after wrapping: each
+block (``block.compile()``, the torchtitan recipe; the default) or the whole
+model (``torch.compile(model)``); FSDP1 is left out unless named. Compilation
+happens in the warmup steps (inductor's first compile takes tens of seconds on
+a small CPU; later launches read its on-disk cache). Each table then shows,
+per implementation (rank 0, first repeat), dynamo's graph breaks and graphs,
+and the recompiles during the timed steps. Results go to peers_compile.json /
+.png, so the eager results stay.
+
 Several settings run in one invocation with the launches alternating over
 settings and implementations (fp32: A B C, bf16: A B C, ..., then the next
 repeat), so ratios within one run are comparable; one table per (shape,
@@ -134,6 +145,8 @@ CPU_UNSUPPORTED = {("fsdp1", "offload"): "CPUOffload pins memory: needs an accel
                    ("fsdp1", "bf16-offload"): "CPUOffload pins memory: needs an accelerator"}
 ACCUM_MICRO = 4
 BF16_RTOL = 1e-2       # bf16 settings: fsdp_compose vs FSDP2 (no bit-identity to expect)
+COMPILE_WHAT = {"blocks": "block.compile() on every block after wrapping",
+                "model": "torch.compile(model) after wrapping"}
 
 
 def _layout_module():
@@ -257,6 +270,24 @@ class _Optims:
             o.zero_grad()
 
 
+def _compile(model, impl: str, how: str, backend: str):
+    """Compile ``model`` (as wrapped by ``impl``) the same way for every
+    implementation: each block (``block.compile()``) or the whole model."""
+    import torch
+    if how == "model":
+        return torch.compile(model, backend=backend)
+    inner = model.module if impl in ("ddp", "fsdp1") else model
+    for block in inner.blocks:  # FSDP1: its FSDP wrappers around the blocks
+        block.compile(backend=backend)
+    return model
+
+
+def _compile_counts() -> dict:
+    from torch._dynamo.utils import counters
+    return {"breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"]}
+
+
 def _make_optim(model, setting: str):
     import torch
     if setting != "muon":
@@ -285,7 +316,9 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
 
     model = build_model(shape, cfg["seed"], device)
     model = _wrap(impl, model, world, device, setting)
-    optim = _make_optim(model, setting)
+    optim = _make_optim(model, setting)  # (over the parameters: before compile wraps the model)
+    if cfg.get("compile"):
+        model = _compile(model, impl, cfg["compile"], cfg["compile_backend"])
     warmup, steps = cfg["warmup"], cfg["steps"]
     profile_steps = cfg.get("profile_steps", 0)
     n_total = warmup + steps + profile_steps
@@ -350,6 +383,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         loss, _, _ = step(*data[i])
         losses.append(loss)
     sync()
+    compiled = _compile_counts() if cfg.get("compile") else None
     if distributed:
         dist.barrier()
     if comm is not None:
@@ -362,6 +396,10 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         phases.append(ph)
     sync()
     t_total = time.perf_counter() - t_start
+    if compiled is not None:  # frames converted / graphs made while timing: recompiles
+        now = _compile_counts()
+        compiled["timed_recompiles"] = max(now["frames"] - compiled["frames"],
+                                           now["graphs"] - compiled["graphs"])
     stats = None
     if comm is not None:
         s = comm.comm_stats()
@@ -394,6 +432,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
                      else mem_end["ru_maxrss_mib"]),
         "mem_start": mem_start, "mem_setup": mem_setup, "mem_end": mem_end,
         "comm_per_step": stats, "trace": trace_path, "profile": prof_summary,
+        "compiled": compiled,
         "torch": torch.__version__,
         "t_setup": t_setup, "t_setup_done": t_setup_done, "t_end": time.time(),
     }
@@ -497,6 +536,7 @@ def summarise_launch(ranks: list[dict]) -> dict:
         "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(n_loss)],
         "local_param_numel": [r["local_param_numel"] for r in ranks],
         "comm_per_step": ranks[0]["comm_per_step"],
+        "compiled": ranks[0].get("compiled"),
     }
 
 
@@ -519,6 +559,7 @@ def summarise_impl(launches: list[dict]) -> dict:
         "repeats_identical_losses": deterministic,
         "local_param_numel": launches[0]["local_param_numel"],
         "comm_per_step": launches[0]["comm_per_step"],
+        "compiled": launches[0].get("compiled"),
     }
 
 
@@ -557,6 +598,9 @@ def shape_report(shape: Shape, summary: dict, meta: dict,
         f"{meta['warmup']} warmup + {meta['steps']} timed steps x {meta['repeats']} repeat(s), "
         f"AdamW",
     ]
+    if meta.get("compile"):
+        lines.append(f"   compiled: {COMPILE_WHAT[meta['compile']]}, backend "
+                     f"{meta['compile_backend']} (compilation in the warmup steps)")
     lines.append(layout_line(shape, meta["world"]))
     mem_name = "peak MiB" + (" RSS" if meta["backend"] == "gloo" else " cuda")
     head = (f"   {'impl':<13} {'step ms':>9} {'[min..max]':>17} {'fwd/bwd/opt ms':>20} "
@@ -595,6 +639,12 @@ def shape_report(shape: Shape, summary: dict, meta: dict,
                 f"({c['all_gather_bytes'] / 2**20:.1f} MiB), {c['reduce_scatter_calls']:.0f} "
                 f"reduce-scatter ({c['reduce_scatter_bytes'] / 2**20:.1f} MiB), "
                 f"{c['all_reduce_calls']:.0f} all-reduce")
+    counts = [f"{LABEL[i]} {c['breaks']} breaks / {c['graphs']} graphs / "
+              f"{c['timed_recompiles']} recompiles" for i in impls
+              if (c := summary[i].get("compiled")) is not None]
+    if counts:
+        lines.append("   dynamo (rank 0, first repeat; recompiles: while timing): "
+                     + "; ".join(counts))
     parity = {"ref": ref_name, "rtol": rtol}
     if ours and ref and ref_name != OURS:
         d = max_rel_diff(ours["losses"], ref["losses"])
@@ -712,14 +762,16 @@ def _progress(total: int):
 def orchestrate(args) -> int:
     t_begin = time.monotonic()
     world = args.world_size
-    impls = args.impls or [i for i in IMPLS if i != "local" or world == 1]
+    impls = args.impls or [i for i in IMPLS if (i != "local" or world == 1)
+                           and not (args.compile and i == "fsdp1")]
     if "local" in impls and world != 1:
         sys.exit("peers: 'local' (plain PyTorch, one process) needs --world-size 1")
     shapes = [SHAPES[s] for s in args.shape]
     os.makedirs(args.out, exist_ok=True)
     meta = {"world": world, "backend": "gloo", "threads": args.threads, "repeats": args.repeats,
             "torch": None, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "seed": args.seed, "lr": LR, "impls": impls}
+            "cpus": os.cpu_count(), "seed": args.seed, "lr": LR, "impls": impls,
+            "compile": args.compile, "compile_backend": args.compile_backend}
     results = {"meta": meta, "shapes": {}}
 
     if args.profile:
@@ -754,7 +806,8 @@ def orchestrate(args) -> int:
                     cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st,
                            "seed": args.seed, "steps": steps, "warmup": warmup,
                            "threads": args.threads, "pg_timeout": args.timeout,
-                           "out": args.out}
+                           "out": args.out, "compile": args.compile,
+                           "compile_backend": args.compile_backend}
                     t0, t0_wall = time.monotonic(), time.time()
                     try:
                         ranks = launch(cfg, world, args.timeout)
@@ -803,10 +856,11 @@ def orchestrate(args) -> int:
     meta["runtime_s"] = time.monotonic() - t_begin
     print()
     print("\n\n".join(reports))
-    json_path = os.path.join(args.out, "peers.json")
+    name = "peers_compile" if args.compile else "peers"  # the eager results stay
+    json_path = os.path.join(args.out, f"{name}.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
-    png = plot(results, os.path.join(args.out, "peers.png"))
+    png = plot(results, os.path.join(args.out, f"{name}.png"))
     print(f"\nwrote {json_path}" + (f" and {png}" if png else
                                     " (no plot: pip install matplotlib, or .[bench])"))
     print(f"total runtime {meta['runtime_s']:.0f} s")
@@ -837,7 +891,8 @@ def profile_only(args, shapes: list, world: int) -> int:
         cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st,
                "seed": args.seed, "steps": args.steps if args.steps is not None else 3,
                "warmup": warmup, "profile_steps": args.profile_steps, "threads": args.threads,
-               "pg_timeout": args.timeout, "out": args.out}
+               "pg_timeout": args.timeout, "out": args.out, "compile": args.compile,
+               "compile_backend": args.compile_backend}
         ranks = launch(cfg, world, args.timeout)
         L = summarise_launch(ranks)
         where = f"'{shape.name}', setting '{st}'" if named else f"'{shape.name}'"
@@ -878,8 +933,10 @@ def torchrun_main(args) -> int:
                      "repeats": args.repeats, "torch": torch.__version__,
                      "python": platform.python_version(), "seed": args.seed, "lr": LR,
                      "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                     else platform.processor()},
+                     else platform.processor(), "compile": args.compile,
+                     "compile_backend": args.compile_backend},
             "impl": impl, "shapes": {}}
+    tag = "torchrun_compile" if args.compile else "torchrun"  # compiled results apart
     settings = args.setting
     named = settings != ["fp32"]
     runs = [(SHAPES[n], st) for n in args.shape for st in settings]
@@ -890,7 +947,8 @@ def torchrun_main(args) -> int:
         warmup = args.warmup if args.warmup is not None else shape.warmup
         cfg = {"impl": impl, "shape": _shape_dict(shape), "setting": st, "seed": args.seed,
                "steps": steps, "warmup": warmup, "out": args.out,
-               "profile_steps": args.profile_steps if args.profile else 0}
+               "profile_steps": args.profile_steps if args.profile else 0,
+               "compile": args.compile, "compile_backend": args.compile_backend}
         launches = []
         for _ in range(args.repeats):
             res = run_impl(cfg, rank, world, device)
@@ -909,7 +967,7 @@ def torchrun_main(args) -> int:
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    path = os.path.join(args.out, f"peers_torchrun_{impl}.json")
+    path = os.path.join(args.out, f"peers_{tag}_{impl}.json")
     with open(path, "w") as f:
         json.dump(mine, f)
     print(f"wrote {path}")
@@ -922,7 +980,7 @@ def torchrun_main(args) -> int:
             continue
         summary = {}
         for other in IMPLS:
-            p = os.path.join(args.out, f"peers_torchrun_{other}.json")
+            p = os.path.join(args.out, f"peers_{tag}_{other}.json")
             if not os.path.exists(p):
                 continue
             with open(p) as f:
@@ -943,9 +1001,9 @@ def torchrun_main(args) -> int:
     if named:
         reports.append(settings_summary(rows, results["meta"]))
     print("\n\n".join(reports))
-    with open(os.path.join(args.out, "peers_torchrun.json"), "w") as f:
+    with open(os.path.join(args.out, f"peers_{tag}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    plot(results, os.path.join(args.out, "peers_torchrun.png"))
+    plot(results, os.path.join(args.out, f"peers_{tag}.png"))
     return 0
 
 
@@ -978,6 +1036,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of benchmarking: write a torch.profiler chrome trace of "
                         "--profile-steps steps of IMPL (after warmup) to --out, per rank")
     p.add_argument("--profile-steps", type=int, default=3, help="steps in the trace")
+    p.add_argument("--compile", nargs="?", const="blocks", choices=list(COMPILE_WHAT),
+                   default=None, help="compile every implementation the same way after "
+                   "wrapping: each block (the default) or the whole model")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
 

@@ -759,6 +759,32 @@ def _move_buffers(m: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = b.to(device)
 
 
+# [Note: torch.compile]
+# The forward hooks all-gather, wait, free storage and keep Python state (the
+# training state, the step's order): none of it can be in a graph, and dynamo
+# tracing into it broke the graph at every storage check, collective wait and
+# autograd-node access. So the hooks are ``torch.compiler.disable``d, as
+# FSDP2's are: dynamo never traces them, and the compiled region is the
+# module's own math.
+# - ``block.compile()`` (before or after fully_shard) compiles ``_call_impl``:
+#   a disabled hook in its hook loop makes dynamo run that frame eagerly
+#   (counted as a skipped frame, not a graph break) and compile ``forward``
+#   alone: one graph for all blocks of one code, 0 breaks, fullgraph=True too.
+# - ``torch.compile(model)``: the root's ``forward`` reaches each sharded
+#   child's hooks: a break there (or, inside a loop over blocks, the whole root
+#   frame runs eagerly and each block's ``forward`` is compiled alone). The
+#   same breaks and graphs as FSDP2 on the same model; ``fullgraph=True``
+#   fails here, as it does for FSDP2 and DDP (README, "torch.compile").
+# Guards hold across steps although ``refresh_views`` makes new view objects
+# at every training forward: dynamo guards a module's tensors by their
+# properties (dtype, device, shape, stride, requires_grad), not their identity
+# (measured: no recompile after the first step; docs/design.md).
+# The backward hooks run in the autograd engine, outside dynamo (compiled
+# autograd is not supported). Disabling costs ~0.4 us per hook call in eager.
+_EAGER = ("fsdp_compose's forward hooks gather and free parameters with collectives; they run "
+          "eagerly around the compiled forward (README, 'torch.compile')")
+
+
 def _add_forward_hooks(unit: Unit, m: nn.Module) -> None:
     unit.hook_handles += [
         m.register_forward_pre_hook(_pre_forward_hook(unit), prepend=True, with_kwargs=True),
@@ -768,13 +794,13 @@ def _add_forward_hooks(unit: Unit, m: nn.Module) -> None:
 def _pre_forward_hook(unit: Unit):
     def hook(module, args, kwargs):
         return unit.pre_forward(module, args, kwargs)
-    return hook
+    return torch.compiler.disable(hook, reason=_EAGER)  # see [Note: torch.compile]
 
 
 def _post_forward_hook(unit: Unit):
     def hook(module, args, output):
         return unit.post_forward(module, args, output)
-    return hook
+    return torch.compiler.disable(hook, reason=_EAGER)  # see [Note: torch.compile]
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -792,13 +818,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise unit_error(unit.fqn, f"has no method {method_name!r}.",
                          "Pass the name of a method of the module.", exc=ValueError)
 
+    pre, post = _pre_forward_hook(unit), _post_forward_hook(unit)
+
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        cast = unit.pre_forward(module, args, kwargs)
+        cast = pre(module, args, kwargs)
         if cast is not None:
             args, kwargs = cast
         out = method(*args, **kwargs)
-        return unit.post_forward(module, args, out)
+        return post(module, args, out)
 
     module.__dict__[method_name] = wrapped
 
