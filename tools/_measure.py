@@ -117,20 +117,32 @@ def _loss(out):
     return t.float().mean()
 
 
-def measure_rank(rank: int, world: int, cfg) -> dict:
-    """One rank of a measured run (a gloo process group is initialised)."""
+def setup(cfg, rank: int, world: int):
+    """The model built for real (seed 0 on every rank) and sharded as the plan
+    does; its units (root first), optimizer and this rank's batch."""
     import torch
-    from fsdp_compose import comm_stats, reset_comm_stats
     from fsdp_compose._state import unit_of
     from tools.plan import build_model, make_mesh, make_optimizer, select_blocks, shard
-
     torch.manual_seed(0)
     model = build_model(cfg)
     blocks = select_blocks(model, cfg.units)
     shard(model, blocks, cfg, make_mesh(world, cfg.hsdp))
     units = [unit_of(model)] + [unit_of(b) for b in blocks]
-    optim = make_optimizer(model, cfg.optimizer)
-    inputs = _inputs(model, cfg, rank)
+    return model, units, make_optimizer(model, cfg.optimizer), _inputs(model, cfg, rank)
+
+
+def train_step(model, optim, inputs) -> None:
+    _loss(model(*inputs)).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def measure_rank(rank: int, world: int, cfg) -> dict:
+    """One rank of a measured run (a gloo process group is initialised)."""
+    import torch
+    from fsdp_compose import comm_stats, reset_comm_stats
+
+    model, units, optim, inputs = setup(cfg, rank, world)
     out = {}
     with Tracker(units) as tracker:
         for step in range(STEPS):
@@ -164,7 +176,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, cfg, path: str) -> None:
+def _entry(rank: int, world: int, port: int, fn, args: tuple, path: str) -> None:
     import pickle
     import traceback
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -174,7 +186,7 @@ def _entry(rank: int, world: int, port: int, cfg, path: str) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
-            res = ("ok", measure_rank(rank, world, cfg))
+            res = ("ok", fn(rank, world, *args))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported by the parent
@@ -183,16 +195,17 @@ def _entry(rank: int, world: int, port: int, cfg, path: str) -> None:
         pickle.dump(res, f)
 
 
-def launch(cfg, world: int, timeout: float = 600) -> list[dict]:
-    """Run ``measure_rank`` on ``world`` fresh gloo CPU processes; every rank's result."""
+def launch(cfg, world: int, fn=measure_rank, args: tuple = (), timeout: float = 600) -> list:
+    """Run ``fn(rank, world, cfg, *args)`` (default: ``measure_rank``) on
+    ``world`` fresh gloo CPU processes; every rank's result, in rank order."""
     import multiprocessing as mp
     import pickle
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="plan_measure_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fsdp_compose_tools_") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
         port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, paths[r]), daemon=True)
-                 for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, port, fn, (cfg, *args), paths[r]),
+                             daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -205,11 +218,11 @@ def launch(cfg, world: int, timeout: float = 600) -> list[dict]:
         results = []
         for r, path in enumerate(paths):
             if not os.path.exists(path):
-                raise RuntimeError(f"--measure: rank {r} of {world} did not finish "
+                raise RuntimeError(f"rank {r} of {world} did not finish "
                                    f"(exit code {procs[r].exitcode})")
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
-                raise RuntimeError(f"--measure: rank {r} of {world} failed:\n{value}")
+                raise RuntimeError(f"rank {r} of {world} failed:\n{value}")
             results.append(value)
         return results

@@ -408,9 +408,8 @@ def _raf(text: str):
         raise argparse.ArgumentTypeError("expected true, false or an int") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and training options (shared with ``tools.timeline``)."""
     p.add_argument("--model", default="demo",
                    help="'demo' (the demo Llama) or 'pkg.module:function' returning an "
                         "nn.Module ('pkg.module:function(1, k=2)' passes literal arguments)")
@@ -420,8 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--units", nargs="+", default=[],
                    help="module class names or FQN patterns to shard before the root "
                         "(default: each child of the largest ModuleList)")
-    p.add_argument("--world-size", type=int, nargs="+", default=[8],
-                   help="world sizes to plan (e.g. 8 64 1024)")
     p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy() on every unit")
@@ -436,6 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=1 << 20,
                    help="all-gather and reduce-scatter bucket size (0: none)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(p)
+    p.add_argument("--world-size", type=int, nargs="+", default=[8],
+                   help="world sizes to plan (e.g. 8 64 1024)")
     p.add_argument("--schedule", choices=["cuda", "gloo"], default=None,
                    help="backward schedule to predict (default: cuda; gloo with --measure)")
     p.add_argument("--json", action="store_true",
@@ -446,15 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args) -> PlanConfig:
+def config_from_args(args, worlds: list[int], schedule: str) -> PlanConfig:
     if args.optimizer == "muon" and args.shard_granularity != "tensor":
         raise SystemExit("plan: --optimizer muon needs --shard-granularity tensor (Muon needs "
                          "whole matrices; on row pieces its first step raises)")
-    if min(args.world_size) < 1 or args.hsdp < 1 or args.prefetch_depth < 0 \
-            or args.bucket_bytes < 0:
+    if min(worlds) < 1 or args.hsdp < 1 or args.prefetch_depth < 0 or args.bucket_bytes < 0:
         raise SystemExit("plan: --world-size and --hsdp must be >= 1, --prefetch-depth and "
                          "--bucket-bytes >= 0")
-    schedule = args.schedule or ("gloo" if args.measure else "cuda")
     return PlanConfig(model=args.model, dim=args.dim, layers=args.layers, vocab=args.vocab,
                       units=tuple(args.units), mp=args.mp, offload=args.offload,
                       reshard_after_forward=args.reshard_after_forward, hsdp=args.hsdp,
@@ -465,9 +468,10 @@ def config_from_args(args) -> PlanConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args)
     if args.measure and args.schedule == "cuda":
         raise SystemExit("plan: --measure runs gloo; it compares the gloo schedule")
+    cfg = config_from_args(args, args.world_size,
+                           args.schedule or ("gloo" if args.measure else "cuda"))
     plans = [plan_world(cfg, w) for w in args.world_size]
     if args.json and not args.measure:
         print(json.dumps([p.row for p in plans], indent=1))
