@@ -28,6 +28,7 @@ class MLPStack(nn.Module):
 
     def __init__(self, shape: Shape):
         super().__init__()
+        self.shape = shape
         self.blocks = nn.ModuleList(MLPBlock(shape.dim, shape.hidden, shape.act)
                                     for _ in range(shape.blocks))
         self.norm = nn.LayerNorm(shape.dim)
@@ -36,6 +37,16 @@ class MLPStack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.norm(x)
+
+    def example_input(self) -> torch.Tensor:
+        """One rank's batch (``python -m tools.plan --measure``)."""
+        return torch.randn(self.shape.batch, self.shape.dim)
+
+
+def stack(name: str) -> MLPStack:
+    """The benchmark model of shape ``name``, for ``python -m tools.plan --model
+    "benchmarks.models:stack('deep')"`` (built on the current default device)."""
+    return MLPStack(SHAPES[name])
 
 
 def build_model(shape: Shape, seed: int, device: torch.device) -> MLPStack:

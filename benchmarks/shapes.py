@@ -33,4 +33,11 @@ SHAPES = {
     "memory": Shape("memory", dim=2048, hidden=4096, blocks=8, batch=8, act="gelu",
                     steps=3, warmup=1,
                     what="8 x [Linear(2048,4096)+GELU+Linear(4096,2048), residual] + LayerNorm"),
+    # Deep: the same ~134M parameters in 16 blocks of ~8.4M (33.6 MB fp32 each),
+    # small activations: many mid-sized units, where per-unit buffers (the
+    # unsharded flat, its gradient, the gradient shard) and the allocator's
+    # reuse of them decide the peak, not the model's size.
+    "deep": Shape("deep", dim=1024, hidden=4096, blocks=16, batch=8, act="gelu",
+                  steps=3, warmup=1,
+                  what="16 x [Linear(1024,4096)+GELU+Linear(4096,1024), residual] + LayerNorm"),
 }

@@ -1,0 +1,558 @@
+"""The planner's model of a run: what fully_shard built, per-rank bytes, and the step's schedule.
+
+``tools.plan`` shards the model on the meta device over torch's fake process
+group (rank 0 of N), so the flat groups, their layouts and the units are the
+library's own; nothing here re-derives a layout. What this module adds:
+
+- ``describe``: the units and groups of a sharded model, as plain data
+  (``UnitInfo`` / ``GroupInfo``), each group keeping its ``_layout.Layout``,
+  which places every rank's pieces (not only this rank's);
+- ``rank_bytes``: for every rank, the bytes of its shards, its gradient
+  shards after a backward and its optimizer state after a step;
+- ``Step``: one training step of the schedule (_unit.py, _state.py) replayed
+  on sizes: which flat buffers are allocated at each schedule event
+  (``record_schedule``'s events), and the collectives issued.
+
+[Note: planner schedule]
+``Step`` replays the library's steady-state step (the second step on: the
+forward prefetches and buckets by the recorded order) for a model whose units
+run once each: the root's forward first, then every block in turn, inside it.
+Two facts about the model are inferred from the module tree, not run:
+
+- forward order: the blocks in module-registration order;
+- when the root's own gradients are complete: at the end of backward if the
+  root owns a module registered before the first block (an input embedding:
+  its gradient comes last), else right after the root's backward starts
+  (a final norm / head only).
+
+It tracks, at every schedule event, the bytes of *unsharded parameters*
+(every group's unsharded flat while allocated, and post-forward shards of
+``reshard_after_forward=N``) and of *unsharded gradients* (each group's flat
+gradient, and the inputs of reduce-scatters in flight). The peaks over
+forward events and over backward events are what the plan reports; the
+tracker of ``--measure`` (tools/_measure.py) samples the same quantities at
+the same events of a real run. Not counted: the copies inside an all-gather
+or reduce-scatter bucket (at most the bucket size each), autograd's per-
+parameter gradients before the flat gradient is assembled, activations.
+
+Two backward schedules, as in [Note: gloo backward] (_unit.py):
+``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
+reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
+wait, reshard and prefetch once a unit's gradients are computed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_compose import _layout
+
+# -------------------------------------------------------------- description
+@dataclass(eq=False)
+class GroupInfo:
+    """One flat group, as sizes."""
+
+    numel: int               # the unsharded flat's elements (W·S)
+    shard: int               # S
+    itemsize: int            # the shard's (the parameters' own dtype)
+    compute_itemsize: int    # the unsharded flat's (param_dtype)
+    reduce_itemsize: int     # the reduce-scatter's (reduce_dtype)
+    dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    converts_grad: bool      # the reduce output is cast to the shard's dtype
+    requires_grad: bool
+    direct: bool             # world size 1, nothing to cast: plain leaves
+    aliased: bool            # the unsharded flat is the shard (never freed)
+    world: int               # shard world
+    replicas: int            # HSDP replicas
+    post_forward: int | None  # reshard_after_forward=N
+    layout: _layout.Layout
+    entries: list = field(default_factory=list)  # (fqn, ndim, rows) per parameter
+
+    @property
+    def trainable(self) -> bool:
+        return self.requires_grad and not self.direct
+
+    @property
+    def flat_bytes(self) -> int:
+        return self.numel * self.compute_itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """The flat gradient autograd assembles (compute dtype)."""
+        return self.numel * self.compute_itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """The reduce-scatter's input (reduce dtype)."""
+        return self.numel * self.reduce_itemsize
+
+    def gather_key(self) -> tuple:
+        return (self.compute_dtype, self.world)
+
+    def bucket_key(self) -> tuple:
+        return (self.reduce_dtype, self.world, self.replicas)
+
+
+@dataclass(eq=False)
+class UnitInfo:
+    fqn: str
+    groups: list[GroupInfo]
+    reshard_after_forward: bool   # as resolved at lazy init
+    is_root: bool = False
+
+    @property
+    def trainable(self) -> list[GroupInfo]:
+        return [g for g in self.groups if g.trainable]
+
+    @property
+    def numel(self) -> int:
+        return sum(sum(s.numel for s in g.layout.slots) for g in self.groups)
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def describe(root_unit, blocks: list) -> list[UnitInfo]:
+    """[root, *blocks] (forward order, see [Note: planner schedule]) as UnitInfo;
+    ``root_unit`` and ``blocks`` are fsdp_compose ``Unit`` objects."""
+    out = []
+    for u in [root_unit, *blocks]:
+        groups = []
+        for g in u.groups:
+            info = GroupInfo(
+                numel=g.padded_numel, shard=g.shard_numel, itemsize=g.dtype.itemsize,
+                compute_itemsize=g.compute_dtype.itemsize,
+                reduce_itemsize=g.reduce_dtype.itemsize, dtype=_dtype_name(g.dtype),
+                compute_dtype=_dtype_name(g.compute_dtype),
+                reduce_dtype=_dtype_name(g.reduce_dtype),
+                converts_grad=g.reduce_dtype != g.dtype, requires_grad=g.requires_grad,
+                direct=g.direct, aliased=g._aliased, world=g.world, replicas=g.replicas,
+                post_forward=g.post_forward.size if g.post_forward is not None else None,
+                layout=g.layout,
+                entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
+                         for e in g.entries])
+            groups.append(info)
+        raf = u.user_reshard_after_forward
+        raf = (u is not root_unit) if raf is None else bool(raf)
+        if groups and all(g.aliased for g in groups):
+            raf = False  # as lazy init: resharding would free nothing
+        out.append(UnitInfo(u.fqn, groups, raf, u is root_unit))
+    return out
+
+
+# ---------------------------------------------------------- per-rank bytes
+def rank_pieces(layout: _layout.Layout) -> list[list[tuple[int, int]]]:
+    """For every rank, ``(entry, elements)`` of each non-empty piece it holds."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(layout.world)]
+    S = layout.chunk
+    for i, (s, off) in enumerate(zip(layout.slots, layout.offsets)):
+        at, end = off, off + s.numel
+        while at < end:
+            r = at // S
+            stop = min(end, (r + 1) * S)
+            out[r].append((i, stop - at))
+            at = stop
+    return out
+
+
+# Optimizer state per parameter that has a gradient on a rank: (bytes per
+# element of the parameter's dtype, fixed bytes). AdamW: exp_avg, exp_avg_sq
+# and a float32 ``step``; SGD(momentum=0.9): one momentum buffer; Muon: one
+# momentum buffer for a 2-D parameter, AdamW's state for the rest.
+OPTIMIZERS = ("adamw", "sgd", "muon")
+
+
+def _state_bytes(optimizer: str, numel: int, itemsize: int, ndim: int) -> int:
+    if optimizer == "sgd" or (optimizer == "muon" and ndim == 2):
+        return numel * itemsize
+    return 2 * numel * itemsize + 4
+
+
+@dataclass
+class RankBytes:
+    params: list[int]   # per rank
+    grads: list[int]
+    optim: list[int]
+
+    def total(self, r: int) -> int:
+        return self.params[r] + self.grads[r] + self.optim[r]
+
+
+def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[GroupInfo]]
+               ) -> RankBytes:
+    """Every rank's shard, gradient-shard and optimizer-state bytes.
+
+    ``grad_buffers``: the groups whose gradient shards share one buffer (a
+    reduce-scatter bucket's output, see ``Step``): it lives on a rank while
+    any of them holds a piece there. Direct groups (world size 1) get
+    autograd's own ``p.grad``, one tensor per parameter.
+    """
+    world = max((g.layout.world for u in units for g in u.groups), default=1)
+    params, grads, optim = [0] * world, [0] * world, [0] * world
+    holds: dict[int, list[bool]] = {}
+    for u in units:
+        for g in u.groups:
+            pieces = rank_pieces(g.layout)
+            holds[id(g)] = [bool(p) for p in pieces]
+            for r in range(world):
+                params[r] += g.shard * g.itemsize
+                if not g.requires_grad:
+                    continue
+                for i, n in pieces[r]:
+                    optim[r] += _state_bytes(optimizer, n, g.itemsize, g.entries[i][1])
+                if g.direct:
+                    grads[r] += sum(n for _, n in pieces[r]) * g.itemsize
+    for buf in grad_buffers:
+        if len(buf) == 1 or buf[0].converts_grad:  # one buffer per group
+            for g in buf:
+                size = g.shard * (g.itemsize if g.converts_grad else g.reduce_itemsize)
+                for r in range(world):
+                    grads[r] += size if holds[id(g)][r] else 0
+            continue
+        size = sum(g.shard for g in buf) * buf[0].reduce_itemsize
+        for r in range(world):
+            grads[r] += size if any(holds[id(g)][r] for g in buf) else 0
+    return RankBytes(params, grads, optim)
+
+
+# ---------------------------------------------------------------- the step
+@dataclass
+class Comm:
+    all_gather_calls: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduce_calls: int = 0
+    all_reduce_bytes: int = 0
+
+
+_SHARDED, _UNSHARDED, _PARTIAL = "sharded", "unsharded", "partial"
+
+
+class Step:
+    """One steady-state training step replayed on sizes (see the Note).
+
+    After ``run()``: ``events`` is ``[(event, unit fqn, phase, param bytes,
+    grad bytes)]`` at every schedule event, ``comm`` the collectives, and
+    ``grad_buffers`` the groups sharing each gradient-shard buffer.
+    """
+
+    def __init__(self, units: list[UnitInfo], *, schedule: str, prefetch_depth: int = 1,
+                 gather_bucket_bytes: int = 1 << 20, reduce_bucket_bytes: int = 1 << 20,
+                 overlap_reduce_scatter: bool = True, root_grads_last: bool = True):
+        if schedule not in ("cuda", "gloo"):
+            raise ValueError(f"schedule must be 'cuda' or 'gloo', got {schedule!r}")
+        self.units = units
+        self.root = units[0]
+        self.gloo = schedule == "gloo"
+        self.depth = prefetch_depth
+        self.ag_limit, self.rs_limit = gather_bucket_bytes, reduce_bucket_bytes
+        self.overlap = overlap_reduce_scatter
+        self.root_grads_last = root_grads_last
+        self.communicates = any(g.world > 1 for u in units for g in u.groups)
+        self.state = {id(g): _SHARDED for u in units for g in u.groups}
+        self.pf = set()                      # groups holding a post-forward shard
+        self.flat_grad: dict[int, int] = {}  # group -> flat gradient bytes
+        self.in_flight: list[tuple[list[GroupInfo], int]] = []  # (groups, input bytes)
+        self.comm = Comm()
+        self.events: list[tuple] = []
+        self.grad_buffers: list[list[GroupInfo]] = []
+        self.phase = "forward"
+
+    # ------------------------------------------------------------ memory
+    def param_bytes(self) -> int:
+        n = 0
+        for u in self.units:
+            for g in u.groups:
+                if g.aliased:
+                    continue
+                if self.state[id(g)] == _UNSHARDED:
+                    n += g.flat_bytes
+                if id(g) in self.pf:
+                    n += g.flat_bytes // g.post_forward
+        return n
+
+    def grad_bytes(self) -> int:
+        return sum(self.flat_grad.values()) + sum(b for _, b in self.in_flight)
+
+    def _event(self, name: str, unit: UnitInfo) -> None:
+        self.events.append((name, unit.fqn, self.phase, self.param_bytes(), self.grad_bytes()))
+
+    def peaks(self) -> dict:
+        fwd = [p + g for e, _, ph, p, g in self.events if ph == "forward"]
+        bwd = [p + g for e, _, ph, p, g in self.events if ph == "backward"]
+        return {"forward": max(fwd, default=0), "backward": max(bwd, default=0)}
+
+    # ------------------------------------------------------ unshard/reshard
+    def _is_unsharded(self, u: UnitInfo) -> bool:
+        return any(self.state[id(g)] != _SHARDED for g in u.groups)
+
+    def _gather_bytes(self, u: UnitInfo) -> int | None:
+        if not u.groups or any(self.state[id(g)] != _SHARDED or g.world == 1 or g.aliased
+                               for g in u.groups):
+            return None
+        return sum(g.flat_bytes for g in u.groups)
+
+    def _count_gather(self, nbytes: int) -> None:
+        self.comm.all_gather_calls += 1
+        self.comm.all_gather_bytes += nbytes
+
+    def _unshard(self, u: UnitInfo, order: list[UnitInfo] | None) -> None:
+        """Unit.unshard, with RootContext.gather_in_bucket."""
+        if self.ag_limit > 0 and self.communicates and order is not None and u in order:
+            run, total = [], 0
+            for v in order[order.index(u):]:
+                nb = self._gather_bytes(v)
+                if nb is None or (run and total + nb > self.ag_limit):
+                    break
+                run.append(v)
+                total += nb
+            if len(run) >= 2:
+                by_key: dict[tuple, list] = {}
+                for v in run:
+                    self._event("all_gather", v)
+                    for g in v.groups:
+                        by_key.setdefault(g.gather_key(), []).append(g)
+                for groups in by_key.values():
+                    self._count_gather(sum(g.flat_bytes for g in groups))
+                    for g in groups:
+                        self.state[id(g)] = _UNSHARDED
+                return
+        issued = False
+        for g in u.groups:
+            st = self.state[id(g)]
+            issued |= g.world > 1 and st in (_SHARDED, _PARTIAL)
+            if st == _UNSHARDED:
+                continue
+            if st == _PARTIAL or (not g.aliased and g.world > 1):
+                self._count_gather(g.flat_bytes)
+            self.state[id(g)] = _UNSHARDED  # (the post-forward shard lives until the wait)
+        if issued:
+            self._event("all_gather", u)
+
+    def _wait(self, u: UnitInfo) -> None:
+        for g in u.groups:
+            self.pf.discard(id(g))
+
+    def _reshard_group(self, g: GroupInfo, to_post_forward: bool = False) -> None:
+        st = self.state[id(g)]
+        if st == _SHARDED:
+            return
+        self.pf.discard(id(g))  # (_complete_gather)
+        if st == _PARTIAL:
+            if not to_post_forward:
+                self.state[id(g)] = _SHARDED
+            return
+        if to_post_forward and g.post_forward is not None and not g.aliased:
+            self.pf.add(id(g))
+            self.state[id(g)] = _PARTIAL
+            return
+        self.state[id(g)] = _SHARDED
+
+    def _reshard(self, u: UnitInfo, to_post_forward: bool = False) -> None:
+        if self._is_unsharded(u):
+            self._event("reshard", u)
+        for g in u.groups:
+            self._reshard_group(g, to_post_forward)
+
+    # ------------------------------------------------------------ forward
+    def forward(self) -> None:
+        self.phase = "forward"
+        self.clock, self.first_pre, self.last_post = 0, {}, {}
+        self.grad_follows: list[UnitInfo] = []
+        self._pre_forward(self.root)
+        for u in self.units[1:]:
+            self._pre_forward(u)
+            self._post_forward(u)
+        self._post_forward(self.root)
+
+    def _pre_forward(self, u: UnitInfo) -> None:
+        self._event("pre_forward", u)
+        self.clock += 1
+        self.first_pre.setdefault(id(u), self.clock)
+        self._unshard(u, self.units)
+        i = self.units.index(u)
+        for v in self.units[i + 1:i + 1 + self.depth]:
+            if not self._is_unsharded(v):
+                self._event("prefetch", v)
+                self._unshard(v, self.units)
+        self._wait(u)
+
+    def _post_forward(self, u: UnitInfo) -> None:
+        self._event("post_forward", u)
+        if u in self.grad_follows:
+            self.grad_follows.remove(u)
+        self.grad_follows.append(u)
+        self.clock += 1
+        self.last_post[id(u)] = self.clock
+        if u.reshard_after_forward:
+            self._reshard(u, to_post_forward=True)
+
+    # ----------------------------------------------------------- backward
+    def backward(self) -> None:
+        self.phase = "backward"
+        self.G = list(reversed(self.grad_follows))
+        self.pos = {id(u): i for i, u in enumerate(self.G)}
+        self.R = [u for u in reversed(self.units) if u in self.grad_follows]  # first-pre order
+        self.R.sort(key=lambda u: -self.first_pre[id(u)])
+        self.gather_next, self.next = 0, 0
+        self.ready: set[int] = set()
+        self.bucket: list[UnitInfo] = []
+        self.bucket_bytes = 0
+        self.slots = self._slot_of()
+        self.following = self._next_reduced_bytes()
+        # A unit whose flat aliases its shard (world size 1) keeps the split
+        # node made at fully_shard time: the engine runs it after the rest of
+        # backward, latest-made (the root) first (see Unit._refresh_views).
+        late = [u for u in [self.root, *reversed(self.units[1:])]
+                if u.trainable and all(g.aliased for g in u.trainable)]
+        root = self.root
+        self._pre_backward(root)
+        if not self.root_grads_last and root not in late:
+            self._unit_grads(root)
+        for u in reversed(self.units[1:]):
+            self._pre_backward(u)
+            if u not in late:
+                self._unit_grads(u)
+        if self.root_grads_last and root not in late:
+            self._unit_grads(root)
+        for u in late:
+            self._unit_grads(u)
+        self._final()
+
+    def _stop(self, u: UnitInfo, prefetch: bool = True) -> int:
+        s = self.pos[id(u)] + (self.depth if prefetch else 0)
+        return min(s, len(self.G) - 1)
+
+    def _slot_of(self) -> list[int]:
+        reach, best = [], -1
+        for u in self.G:
+            best = max(best, self._stop(u))
+            reach.append(best)
+        slots, ended, floor = [], 0, 0
+        for u in self.R:
+            while ended < len(self.G) and self.last_post[id(self.G[ended])] > self.first_pre[id(u)]:
+                ended += 1
+            floor = max(floor, reach[ended - 1])
+            slots.append(floor)
+        return slots
+
+    def _reduces(self, u: UnitInfo) -> bool:
+        return bool(u.trainable)
+
+    def _unit_grad_bytes(self, u: UnitInfo) -> int:
+        return sum(g.reduce_bytes for g in u.trainable)
+
+    def _next_reduced_bytes(self) -> list:
+        out, following = [None] * (len(self.R) + 1), None
+        for i in range(len(self.R) - 1, -1, -1):
+            if self._reduces(self.R[i]):
+                following = self._unit_grad_bytes(self.R[i])
+            out[i] = following
+        return out
+
+    def _hooked(self, u: UnitInfo) -> bool:
+        """Its gradients run Unit._grads_computed (gloo, a group with world > 1)."""
+        return self.gloo and any(g.world > 1 for g in u.trainable)
+
+    def _pre_backward(self, u: UnitInfo) -> None:
+        self._event("pre_backward", u)
+        if u in self.grad_follows:
+            late = self._hooked(u) and u.reshard_after_forward
+            self._gather_up_to(self._stop(u, prefetch=not late))
+        self._unshard(u, self.G)
+        self._wait(u)
+
+    def _gather_up_to(self, stop: int, final: bool = False) -> None:
+        while self.gather_next <= stop:
+            self._issue_reductions(demand=True, final=final)
+            self.gather_next += 1
+            self._unshard(self.G[self.gather_next - 1], self.G)
+        self._issue_reductions(final=final)
+
+    def _unit_grads(self, u: UnitInfo) -> None:
+        """Its parameter gradients are computed, assembled, accumulated."""
+        for g in u.trainable:
+            if self._hooked(u) and g.world > 1:  # Unit._grads_computed
+                self._drain()
+                if self.state[id(g)] != _SHARDED:
+                    self._event("reshard", u)
+                    self._reshard_group(g)
+                self._gather_up_to(self._stop(u))
+            self.flat_grad[id(g)] = g.grad_bytes  # the split backward's cat
+        if not u.trainable:
+            return
+        self._event("post_backward", u)
+        self._reshard(u)
+        self.ready.add(id(u))
+        self._issue_reductions()
+
+    def _issue_reductions(self, demand: bool = False, final: bool = False) -> None:
+        while self.next < len(self.R):
+            u = self.R[self.next]
+            if not self._reduces(u):
+                self.next += 1
+                continue
+            if self.slots[self.next] >= self.gather_next:
+                break
+            if id(u) not in self.ready and not final:
+                break  # (every unit gets a gradient here: no zero-filled demand)
+            self.next += 1
+            if self.rs_limit <= 0 or not self.communicates:
+                self._launch([u])
+                continue
+            self.bucket.append(u)
+            self.bucket_bytes += self._unit_grad_bytes(u)
+            following = self.following[self.next]
+            if following is None or self.bucket_bytes + following > self.rs_limit:
+                units, self.bucket, self.bucket_bytes = self.bucket, [], 0
+                self._launch(units, bucketed=True)
+
+    def _launch(self, units: list[UnitInfo], bucketed: bool = False) -> None:
+        self._drain()
+        for u in units:
+            self._event("reduce_scatter", u)
+        by_key: dict[tuple, list] = {}
+        for u in units:
+            for g in u.trainable:
+                by_key.setdefault(g.bucket_key() if bucketed else (id(g),), []).append(g)
+        for groups in by_key.values():
+            if groups[0].world == 1 or len(groups) == 1:
+                parts = [[g] for g in groups]
+            else:
+                parts = [groups]
+            for part in parts:
+                nbytes = sum(g.reduce_bytes for g in part)
+                for g in part:
+                    self.flat_grad.pop(id(g), None)
+                if part[0].world > 1:
+                    self.comm.reduce_scatter_calls += 1
+                    self.comm.reduce_scatter_bytes += nbytes
+                self.in_flight.append((part, nbytes if part[0].world > 1 else 0))
+                self.grad_buffers.append(part)
+        if not self.overlap:
+            self._drain()
+
+    def _drain(self) -> None:
+        for part, _ in self.in_flight:
+            for g in part:
+                if g.replicas > 1:
+                    self.comm.all_reduce_calls += 1
+                    self.comm.all_reduce_bytes += g.shard * g.reduce_itemsize
+        self.in_flight = []
+
+    def _final(self) -> None:
+        self._event("final_callback", self.root)
+        self._gather_up_to(len(self.G) - 1, final=True)
+        self._issue_reductions(final=True)
+        self._drain()
+        for u in self.units:
+            self._reshard(u)
+
+    def run(self) -> "Step":
+        self.forward()
+        self.backward()
+        return self
+
