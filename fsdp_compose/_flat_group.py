@@ -88,7 +88,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _layout
-from ._common import META_FIX, ShardedState, unit_error, weak_hook
+from ._common import META_FIX, ShardedState, label, unit_error, weak_hook
 from ._streams import Pending, StreamManager
 
 ALIGN_BYTES = 16
@@ -698,7 +698,8 @@ class FlatGroup:
         counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
         # The flags' all-reduce is issued first: on CUDA the post-reduce (the
         # fold, which reads them) runs as soon as the reduce-scatter is issued.
-        flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+        with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
+            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
         launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
                              post)
         launch.pending = streams.reduce_scatter(flat_grad, self.rs_pg, op, _fold_all([launch]),

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_compose import _layout
+from fsdp_compose._flat_group import INLINE_FLAGS_BYTES
 
 # -------------------------------------------------------------- description
 @dataclass(eq=False)
@@ -84,8 +85,19 @@ class GroupInfo:
 
     @property
     def reduce_bytes(self) -> int:
-        """The reduce-scatter's input (reduce dtype)."""
+        """The reduce-scatter's input (reduce dtype), without used-flags."""
         return self.numel * self.reduce_itemsize
+
+    @property
+    def flags(self) -> int:
+        """E: one used-flag per parameter ([Note: parameters without a
+        gradient] in fsdp_compose/_flat_group.py)."""
+        return len(self.entries)
+
+    @property
+    def inline_flags(self) -> bool:
+        """Reduced alone, its flags ride in its reduce-scatter (small groups)."""
+        return self.reduce_bytes <= INLINE_FLAGS_BYTES
 
     def gather_key(self) -> tuple:
         return (self.compute_dtype, self.world)
@@ -205,13 +217,17 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
                 if g.direct:
                     grads[r] += sum(n for _, n in pieces[r]) * g.itemsize
     for buf in grad_buffers:
+        # a reduce-scatter with the flags inline outputs each group's shard
+        # followed by its E flags; p.grad views keep that whole buffer alive
+        inline = buf[0].world > 1 and (len(buf) > 1 or buf[0].inline_flags)
         if len(buf) == 1 or buf[0].converts_grad:  # one buffer per group
             for g in buf:
-                size = g.shard * (g.itemsize if g.converts_grad else g.reduce_itemsize)
+                n = g.shard + (g.flags if inline and not g.converts_grad else 0)
+                size = n * (g.itemsize if g.converts_grad else g.reduce_itemsize)
                 for r in range(world):
                     grads[r] += size if holds[id(g)][r] else 0
             continue
-        size = sum(g.shard for g in buf) * buf[0].reduce_itemsize
+        size = sum(g.shard + (g.flags if inline else 0) for g in buf) * buf[0].reduce_itemsize
         for r in range(world):
             grads[r] += size if any(holds[id(g)][r] for g in buf) else 0
     return RankBytes(params, grads, optim)
@@ -528,8 +544,15 @@ class Step:
                 for g in part:
                     self.flat_grad.pop(id(g), None)
                 if part[0].world > 1:
+                    W = part[0].world
                     self.comm.reduce_scatter_calls += 1
-                    self.comm.reduce_scatter_bytes += nbytes
+                    if len(part) > 1 or part[0].inline_flags:  # E flag columns per rank
+                        nbytes += sum(W * g.flags * g.reduce_itemsize for g in part)
+                        self.comm.reduce_scatter_bytes += nbytes
+                    else:  # the flags' own all-reduce (fp32), next to it
+                        self.comm.reduce_scatter_bytes += nbytes
+                        self.comm.all_reduce_calls += 1
+                        self.comm.all_reduce_bytes += part[0].flags * 4
                 self.in_flight.append((part, nbytes if part[0].world > 1 else 0))
                 self.grad_buffers.append(part)
         if not self.overlap:
@@ -538,9 +561,11 @@ class Step:
     def _drain(self) -> None:
         for part, _ in self.in_flight:
             for g in part:
-                if g.replicas > 1:
-                    self.comm.all_reduce_calls += 1
-                    self.comm.all_reduce_bytes += g.shard * g.reduce_itemsize
+                if g.replicas > 1:  # (inline flags travel in the same all-reduce)
+                    inline = len(part) > 1 or g.inline_flags
+                    self.comm.all_reduce_calls += 1 if inline else 2
+                    self.comm.all_reduce_bytes += (g.shard + (g.flags if inline else 0)) \
+                        * g.reduce_itemsize + (0 if inline else g.flags * 4)
         self.in_flight = []
 
     def _final(self) -> None:

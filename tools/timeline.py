@@ -130,6 +130,8 @@ def _spans(trace_path: str) -> dict:
         runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                       if e["name"] == run and e["tid"] != main)
         for ts, (a, b) in zip(issues, runs):
+            if any(ph == "used_flags" and x <= ts <= y for x, y, ph, _ in labels):
+                continue  # a reduction's used-flags all-reduce, not a collective of its own
             unit = _owner(ts, labels, kind, ag_marks)
             if unit is not None:
                 add(kind, unit, a, b)
