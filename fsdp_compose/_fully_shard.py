@@ -59,7 +59,7 @@ class _ShardedParams:
 
 # Every sharded Parameter we created -> (group, entry); and every original
 # Parameter we replaced -> the unit that owns it (to catch ties across units,
-# and an optimizer built before fully_shard: _check_optimizer). A unit holds
+# and an optimizer built before fully_shard: check_no_replaced_params). A unit holds
 # no original Parameter, so the second map holds no key of its own either.
 _SHARDED = _ShardedParams()
 _REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -69,20 +69,10 @@ _ORIGINAL_ENTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original -> weak
 # ------------------------------------------------------------------------
 # An optimizer built before fully_shard holds the original Parameters, which
 # no module uses any more: it would step tensors without gradients and the
-# model would silently never train. torch.optim's global step pre-hook lets
-# us refuse that at the first step, on every rank alike (each rank built its
-# optimizer the same way). Checked once per optimizer and parameter count.
-_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_OPTIMIZER_HOOK = None
-
-
-def _install_optimizer_check() -> None:
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
-
-
+# model would silently never train. Refused at its first step, on every rank
+# alike (each rank built its optimizer the same way), by the optimizer check
+# in _torch_hooks.py (torch.optim's global step pre-hook, cached there per
+# optimizer and parameter list).
 def _replaced_name(p) -> str | None:
     """The FQN of ``p`` if fully_shard or materialize replaced it, else None."""
     if p in _REPLACED:
@@ -95,10 +85,8 @@ def _replaced_name(p) -> str | None:
     return None
 
 
-def _check_optimizer(optimizer, args, kwargs) -> None:
-    n = sum(len(g["params"]) for g in optimizer.param_groups)
-    if _CHECKED_OPTIMIZERS.get(optimizer) == n:
-        return
+def check_no_replaced_params(optimizer) -> None:
+    """Raise if ``optimizer`` holds Parameters that fully_shard or materialize replaced."""
     stale = [name for g in optimizer.param_groups for p in g["params"]
              if (name := _replaced_name(p)) is not None]
     if stale:
@@ -110,7 +98,6 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
             f"replaced: {shown}. No module uses them any more, so they get no gradient and "
             "the model would never train. Build the optimizer after fully_shard (and after "
             "materialize), from model.parameters().")
-    _CHECKED_OPTIMIZERS[optimizer] = n
 
 
 class FSDPModule:
@@ -742,7 +729,6 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     for p, slots, _ in params:
         _REPLACED[p] = unit
         _ORIGINAL_ENTRY[p] = weakref.ref(entry_of[id(slots)])
-    _install_optimizer_check()
     for m in modules:
         _move_buffers(m, device)
         m.__dict__["_fsdp_unit"] = unit

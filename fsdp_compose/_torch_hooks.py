@@ -109,7 +109,9 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
-    from ._fully_shard import _SHARDED  # the registry (imports flow: _fully_shard -> here)
+    # (the registry: imports flow _fully_shard -> here)
+    from ._fully_shard import _SHARDED, check_no_replaced_params
+    check_no_replaced_params(opt)  # built before fully_shard: never trains
     cls = type(opt)
     kind = optimizer_kind(cls)
     if kind == ELEMENTWISE:
