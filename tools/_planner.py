@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_compose import _layout
+from fsdp_compose.api import CommStats
 from fsdp_compose._flat_group import INLINE_FLAGS_BYTES
 
 # -------------------------------------------------------------- description
@@ -234,16 +235,6 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
 
 
 # ---------------------------------------------------------------- the step
-@dataclass
-class Comm:
-    all_gather_calls: int = 0
-    all_gather_bytes: int = 0
-    reduce_scatter_calls: int = 0
-    reduce_scatter_bytes: int = 0
-    all_reduce_calls: int = 0
-    all_reduce_bytes: int = 0
-
-
 _SHARDED, _UNSHARDED, _PARTIAL = "sharded", "unsharded", "partial"
 
 
@@ -272,7 +263,7 @@ class Step:
         self.pf = set()                      # groups holding a post-forward shard
         self.flat_grad: dict[int, int] = {}  # group -> flat gradient bytes
         self.in_flight: list[tuple[list[GroupInfo], int]] = []  # (groups, input bytes)
-        self.comm = Comm()
+        self.comm = CommStats()  # the same counters comm_stats() reports
         self.events: list[tuple] = []
         self.grad_buffers: list[list[GroupInfo]] = []
         self.phase = "forward"
