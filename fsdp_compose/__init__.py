@@ -12,6 +12,7 @@ from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
 from ._checkpoint import get_state_dict, set_state_dict
+from ._load_checkpoint import CheckpointLoadError, load_checkpoint
 from ._materialize import materialize
 from .clip import clip_grad_norm_
 from ._torch_hooks import declare_optimizer
@@ -36,6 +37,8 @@ __all__ = [
     "ShardedState",
     "get_state_dict",
     "set_state_dict",
+    "load_checkpoint",
+    "CheckpointLoadError",
     "materialize",
 ]
 __version__ = "0.1.0"

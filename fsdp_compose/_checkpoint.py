@@ -659,6 +659,12 @@ def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,
 
 
 def _load_optim(optim, osd: dict, fqns: dict) -> None:
+    optim.load_state_dict(_optim_load_dict(optim, osd, fqns))
+
+
+def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
+    """What ``optim.load_state_dict`` takes, from ``osd`` (keyed by FQN); checks
+    and builds without touching ``optim``."""
     from ._fully_shard import _SHARDED
     if "state" not in osd or "param_groups" not in osd:
         raise ValueError("fsdp_compose.set_state_dict: optim_state_dict must have 'state' and "
@@ -690,7 +696,7 @@ def _load_optim(optim, osd: dict, fqns: dict) -> None:
                     "for another model or optimizer.")
             src = loaded_groups[i] if i < len(loaded_groups) else grp
         new_groups.append({**{k: v for k, v in src.items() if k != "params"}, "params": ids})
-    optim.load_state_dict({"state": new_state, "param_groups": new_groups})
+    return {"state": new_state, "param_groups": new_groups}
 
 
 def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
