@@ -7,7 +7,10 @@ model (``benchmarks/models.py``), shard it the same way (each block, then the
 root), take one AdamW step (so optimizer state exists), then time:
 
 - save: ``get_state_dict`` + ``dcp.save`` of model and optimizer;
-- load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same.
+- load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same;
+- safe load (fsdp_compose only): ``fsdp_compose.load_checkpoint`` of the same,
+  which reads into a staging copy first (printed: its size, this rank's
+  tensors in ``get_state_dict``, max over ranks).
 
 Peak memory is the rise of each rank's peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs`` right before the phase) over its RSS before it:
@@ -41,6 +44,19 @@ def _reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def _local_bytes(tree) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: what a staging copy holds."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    if isinstance(tree, ShardedTensor):
+        return sum(s.tensor.nbytes for s in tree.local_shards())
+    return tree.nbytes if isinstance(tree, torch.Tensor) else 0
 
 
 def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> None:
@@ -98,6 +114,9 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> Non
         set_(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
     res = {"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024}
+    if impl == "fsdp_compose":
+        res["safe_load"] = phase(lambda: fsdp_compose.load_checkpoint(model, opt, path))
+        res["staged_mib"] = _local_bytes(get(model, opt)) / 2**20
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, res)
     if rank == 0:
@@ -140,6 +159,12 @@ def main(argv=None) -> int:
             r = {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
                  for k in ("save", "load")}
             r["size_mib"] = size / 2**20
+            if "safe_load" in ranks[0]:
+                safe = (max(x["safe_load"][0] for x in ranks),
+                        max(x["safe_load"][1] for x in ranks),
+                        max(x["staged_mib"] for x in ranks))
+                print(f"{impl} load_checkpoint: {safe[0]:.2f} s, peak +{safe[1]:.0f} MiB "
+                      f"(staging copy {safe[2]:.0f} MiB)", flush=True)
             prev = rows.get(impl)
             rows[impl] = r if prev is None else {  # best of the repeats
                 k: (min(prev[k][0], r[k][0]), min(prev[k][1], r[k][1])) if k != "size_mib"

@@ -28,10 +28,11 @@ does not catch.
    failed, every rank raises ``CheckpointLoadError`` (a RuntimeError naming
    each failed rank and what failed) with nothing changed. Otherwise every rank
    copies the staged values into the live tensors (``model.load_state_dict``,
-   whose hooks copy each rank's piece into its shard; optimizer state copied in
-   place, so the optimizer keeps its tensors, then ``optimizer.load_state_dict``
-   for ``step`` and the param_groups' hyperparameters). The commit is only
-   copies into tensors of checked shape, dtype and keys, so no rank
+   whose hooks copy each rank's piece into its shard; then
+   ``optimizer.load_state_dict`` with the staged state, which it adopts, or,
+   staged on another device than the live state, copied into the live tensors
+   first, so an accelerator's memory does not grow). The commit only copies
+   and adopts values of checked keys, shapes and dtypes, so no rank
    half-applies.
 
 Cost: the staging copy, one more copy of this rank's parameter shards,
@@ -206,15 +207,19 @@ def _check_loadable(model: nn.Module) -> None:
 
 
 def _copy_into_live(optim, osd: dict) -> None:
-    """Copy staged state into the optimizer's own tensors where it has one of the
-    same shape and dtype, and load those: it keeps its tensors (and their device)."""
+    """Where a staged state tensor is on another device than the optimizer's own
+    tensor of the same shape and dtype (CPU staging of an accelerator's state),
+    copy it into that tensor and load that one, so that the accelerator's memory
+    does not grow. On the same device the staged tensor itself is loaded (as
+    ``optimizer.load_state_dict`` adopts the tensors it is given)."""
     params = [p for grp in optim.param_groups for p in grp["params"]]
     for pid, st in osd["state"].items():
         live = optim.state.get(params[pid], {})
         for k, v in st.items():
             old = live.get(k)
-            if (isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old is not v
-                    and old.shape == v.shape and old.dtype == v.dtype):
+            if (isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor)
+                    and old.device != v.device and old.shape == v.shape
+                    and old.dtype == v.dtype):
                 old.copy_(v)
                 st[k] = old
 
