@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from . import _collectives, _compat
 from ._common import TrainingState, rank as _rank
+from ._registry import SHARDED, units_below
 
 _SLOTS = "_fsdp_ckpt_slots"  # module.__dict__: {param name: (unit, group, entry)}
 
@@ -346,8 +347,7 @@ def _msg(fqn: str, what: str) -> str:
 
 # ------------------------------------------------------- full state dicts
 def _units(model: nn.Module) -> list:
-    from ._state import _units_below
-    return [u for _, u in _units_below(model)]
+    return [u for _, u in units_below(model)]
 
 
 def _gather(g, local: torch.Tensor) -> torch.Tensor:
@@ -516,14 +516,13 @@ def _ensure_optim_state(optim) -> None:
     lr 0), so that a checkpoint can be loaded into it in place. Parameters this
     rank holds no rows of keep no gradient, hence no state (as in training, see
     [Note: empty pieces] in _flat_group.py)."""
-    from ._fully_shard import _SHARDED
     if optim.state:
         return
     params = [p for grp in optim.param_groups for p in grp["params"]]
     if any(p.grad is not None for p in params):
         return
     for p in params:
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if p.requires_grad and not (hit is not None and hit[1].held_elsewhere()):
             p.grad = torch.zeros_like(p)
     saved = []
@@ -541,7 +540,6 @@ def _ensure_optim_state(optim) -> None:
 
 
 def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
-    from ._fully_shard import _SHARDED
     osd = optim.state_dict()
     params = [p for grp in optim.param_groups for p in grp["params"]]
     missing = [i for i, p in enumerate(params) if p not in fqns]
@@ -552,7 +550,7 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
                          "optimizer was built for (built after fully_shard / materialize).")
     state = {}
     for pid, p in enumerate(params):
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if full is not None and hit is not None:
             # every rank's state, also where this rank keeps none (empty piece)
             if id(hit[1]) in full:
@@ -659,7 +657,6 @@ def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,
 
 
 def _load_optim(optim, osd: dict, fqns: dict) -> None:
-    from ._fully_shard import _SHARDED
     if "state" not in osd or "param_groups" not in osd:
         raise ValueError("fsdp_compose.set_state_dict: optim_state_dict must have 'state' and "
                          "'param_groups' (as returned by get_state_dict).")
@@ -675,7 +672,7 @@ def _load_optim(optim, osd: dict, fqns: dict) -> None:
                                  f"of shape {tuple(p.shape)} that is not a parameter of this "
                                  "model. Pass the model the optimizer was built for.")
             src = src or where.get(fqn)
-            hit = _SHARDED.get(p)
+            hit = SHARDED.get(p)
             # no state where this rank holds none of it ([Note: empty pieces])
             if fqn in loaded_state and not (hit is not None and hit[1].held_elsewhere()):
                 new_state[pid] = {k: _local_state(fqn, k, v, p, hit)

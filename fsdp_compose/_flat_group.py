@@ -454,7 +454,7 @@ class FlatGroup:
 
         The sharded Parameters and the flat leaf are NEW objects (a meta tensor
         cannot become a real one in place); the modules' slots are updated.
-        Callers that index Parameters (the ``_SHARDED`` map) re-register them.
+        Callers that index Parameters (``_registry.SHARDED``) re-register them.
         """
         if self.device.type != "meta":
             raise unit_error(self.unit_fqn, "materialize_: the group is not on the meta device.")

@@ -9,95 +9,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import TrainingState, default_device, rank as _rank, root_setting_fix, unit_error
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._common import TrainingState, default_device, root_setting_fix, unit_error
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
 from ._flat_group import FlatGroup, PostForward
 from ._layout import GRANULARITIES
-from ._state import assign_fqns, unit_of
+from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
+from ._state import assign_fqns, lazy_init_root
 from . import _torch_hooks
 from ._unit import Unit
-
-
-class _ShardedParams:
-    """Every sharded Parameter we created -> (group, entry).
-
-    Weak both ways: a key is held only by its entry, so a value holding the
-    entry (or its group) strongly would keep the key, and with it the whole
-    model, alive for the life of the process. ``get`` gives None once the
-    model is gone.
-    """
-
-    def __init__(self):
-        self._refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def __setitem__(self, param: nn.Parameter, hit: tuple) -> None:
-        g, e = hit
-        self._refs[param] = (weakref.ref(g), weakref.ref(e))
-
-    def get(self, param):
-        refs = self._refs.get(param)
-        if refs is None:
-            return None
-        g, e = refs[0](), refs[1]()
-        return None if g is None or e is None else (g, e)
-
-    def __contains__(self, param) -> bool:
-        return self.get(param) is not None
-
-    def __getitem__(self, param) -> tuple:
-        hit = self.get(param)
-        if hit is None:
-            raise KeyError("not a Parameter sharded by fully_shard (or its model is gone)")
-        return hit
-
-    def pop(self, param) -> None:
-        self._refs.pop(param, None)
-
-
-# Every sharded Parameter we created -> (group, entry); and every original
-# Parameter we replaced -> the unit that owns it (to catch ties across units,
-# and an optimizer built before fully_shard: check_no_replaced_params). A unit holds
-# no original Parameter, so the second map holds no key of its own either.
-_SHARDED = _ShardedParams()
-_REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_ORIGINAL_ENTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original -> weakref(entry)
-
-
-# ------------------------------------------------------------------------
-# An optimizer built before fully_shard holds the original Parameters, which
-# no module uses any more: it would step tensors without gradients and the
-# model would silently never train. Refused at its first step, on every rank
-# alike (each rank built its optimizer the same way), by the optimizer check
-# in _torch_hooks.py (torch.optim's global step pre-hook, cached there per
-# optimizer and parameter list).
-def _replaced_name(p) -> str | None:
-    """The FQN of ``p`` if fully_shard or materialize replaced it, else None."""
-    if p in _REPLACED:
-        ref = _ORIGINAL_ENTRY.get(p)
-        e = ref() if ref is not None else None
-        return e.fqn if e is not None else f"a parameter of unit '{_REPLACED[p].fqn}'"
-    hit = _SHARDED.get(p)
-    if hit is not None and hit[1].sharded is not p:  # a meta Parameter before materialize
-        return hit[1].fqn
-    return None
-
-
-def check_no_replaced_params(optimizer) -> None:
-    """Raise if ``optimizer`` holds Parameters that fully_shard or materialize replaced."""
-    stale = [name for g in optimizer.param_groups for p in g["params"]
-             if (name := _replaced_name(p)) is not None]
-    if stale:
-        shown = ", ".join(repr(s) for s in stale[:8]) + (
-            f" and {len(stale) - 8} more" if len(stale) > 8 else "")
-        raise RuntimeError(
-            f"fsdp_compose [rank {_rank()}]: {type(optimizer).__name__}.step(): the "
-            f"optimizer holds {len(stale)} parameter(s) that fully_shard (or materialize) "
-            f"replaced: {shown}. No module uses them any more, so they get no gradient and "
-            "the model would never train. Build the optimizer after fully_shard (and after "
-            "materialize), from model.parameters().")
 
 
 class FSDPModule:
@@ -362,7 +283,7 @@ def _before_apply(units: list[Unit]) -> None:
         if swap:
             for g in u.groups:  # (swap_tensors refuses tensors with weak references)
                 for e in g.entries:
-                    _SHARDED.pop(e.sharded)
+                    SHARDED.pop(e.sharded)
 
 
 def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
@@ -415,9 +336,7 @@ def _adopt_unit(u: Unit) -> bool:
 
 def _register_sharded(units: list[Unit]) -> None:
     for u in units:
-        for g in u.groups:
-            for e in g.entries:
-                _SHARDED[e.sharded] = (g, e)
+        SHARDED.add_groups(u.groups)
 
 
 class UnshardHandle:
@@ -505,10 +424,10 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
         if not top and unit_of(m) is not None:
             continue  # a sub-unit owns this subtree
         for name, p in m._parameters.items():
-            if p is None or id(p) in ignored or p in _SHARDED:
+            if p is None or id(p) in ignored or p in SHARDED:
                 continue
-            if p in _REPLACED:
-                other = _REPLACED[p]
+            if p in REPLACED:
+                other = REPLACED[p]
                 raise unit_error(
                     label, f"parameter '{prefix}{name}' is already sharded by another unit, "
                     f"{_name_unit(other)} (a weight tied across two fully_shard units).",
@@ -719,19 +638,18 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
                             shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
-                mp_policy=mp_policy, device=device)
+                mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
     for g in groups:
         g.install_sharded()
-        for e in g.entries:
-            _SHARDED[e.sharded] = (g, e)
+    SHARDED.add_groups(groups)
     register_state_dict_hooks(unit)
     entry_of = {id(e.slots): e for g in groups for e in g.entries}
     for p, slots, _ in params:
-        _REPLACED[p] = unit
-        _ORIGINAL_ENTRY[p] = weakref.ref(entry_of[id(slots)])
+        REPLACED[p] = unit
+        ORIGINAL_ENTRY[p] = weakref.ref(entry_of[id(slots)])
     for m in modules:
         _move_buffers(m, device)
-        m.__dict__["_fsdp_unit"] = unit
+        set_unit(m, unit)
         _add_forward_hooks(unit, m)
         _swap_class(m)
         assign_fqns(m)
@@ -819,8 +737,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def param_info(param: torch.Tensor):
     """FQN, global shape and local range of a parameter sharded by fully_shard."""
-    from .api import ParamInfo
-    hit = _SHARDED.get(param)
+    hit = SHARDED.get(param)
     if hit is None:
         raise ValueError("fsdp_compose.param_info: this tensor is not a parameter sharded by "
                          f"fully_shard (shape {tuple(param.shape)}). Pass one of "

@@ -79,12 +79,9 @@ import torch.nn as nn
 from . import _compat
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket, launch_bucket
+from ._registry import units_below
 from ._streams import StreamManager
 from ._unit import Unit
-
-
-def unit_of(module: nn.Module) -> Unit | None:
-    return module.__dict__.get("_fsdp_unit")
 
 
 class FlatParamRegistry:
@@ -529,23 +526,10 @@ def _grad_bytes(unit: Unit) -> int:
     return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
 
 
-def _units_below(module: nn.Module) -> list[tuple[str, Unit]]:
-    found: dict[Unit, str] = {}
-    for name, m in module.named_modules():
-        u = unit_of(m)
-        if u is None:
-            continue
-        if u in found:  # a list unit: name it by all its modules
-            found[u] = f"{found[u]}, {name}"
-        else:
-            found[u] = name
-    return [(fqn, u) for u, fqn in found.items()]
-
-
 def assign_fqns(module: nn.Module) -> None:
     """Name every unit and parameter below ``module`` relative to it."""
     prefix = {id(m): name for name, m in module.named_modules()}
-    for fqn, u in _units_below(module):
+    for fqn, u in units_below(module):
         u.fqn = fqn
         for g in u.groups:
             g.unit_fqn = u.fqn
@@ -560,7 +544,7 @@ def lazy_init_root(unit: Unit) -> None:
     root_module = unit.modules[0]
     if len(unit.modules) == 1:
         assign_fqns(root_module)
-    units = list(dict.fromkeys(u for m in unit.modules for _, u in _units_below(m)))
+    units = list(dict.fromkeys(u for m in unit.modules for _, u in units_below(m)))
     _check_not_meta(unit, units)
     _check_root_settings(unit, units)
     for u in units:

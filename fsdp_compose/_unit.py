@@ -19,7 +19,7 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 class Unit:
     def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
                  reshard_after_forward: bool | None, label: str, mp_policy=None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"),
+                 lazy_init_root: Callable[["Unit"], None]):
         self.modules = modules
+        # _state.lazy_init_root, passed in by fully_shard: _state imports this
+        # module, so this one never imports _state (docs/architecture.md)
+        self._lazy_init_root = lazy_init_root
         self.groups = groups
         self.device = device  # its mesh's device (a root without parameters takes it)
         # groups whose flat gradient we reduce (a direct group's Parameters get
@@ -122,8 +126,7 @@ class Unit:
     # ----------------------------------------------------------- unshard/reshard
     def _ensure_ctx(self) -> "RootContext":
         if self.ctx is None:
-            from ._state import lazy_init_root
-            lazy_init_root(self)
+            self._lazy_init_root(self)
         return self.ctx
 
     def unshard(self) -> None:
