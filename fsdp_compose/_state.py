@@ -3,7 +3,7 @@
 The first forward (or ``unshard()``) of any sharded module makes that module's
 unit the *root*: it walks its subtree once, names every unit and parameter by
 FQN, checks the parameters, and builds the ``RootContext`` all units then
-reference: the flat-param registry, the stream manager, and the backward
+reference: the recorded forward order, the stream manager, and the backward
 bookkeeping (reduce-scatter order, the final callback).
 
 [Note: collective order]
@@ -84,17 +84,14 @@ from ._streams import StreamManager
 from ._unit import Unit
 
 
-class FlatParamRegistry:
-    """Every unit below the root, in module order, and their execution order.
-
-    ``execution_order``: the units in the order of
-    their first forward in the last training step (re-recorded every step, so
-    a changed order is followed from the next step on). Forward prefetching
-    walks it: ``next_units(u, n)`` are the n units after ``u``.
+class ForwardOrder:
+    """The units in the order of their first forward in the last training
+    step (re-recorded every step, so a changed order is followed from the
+    next step on). Forward prefetching walks it: ``next_units(u, n)`` are
+    the n units after ``u``; all-gather buckets read ``position``.
     """
 
-    def __init__(self, units: list[Unit]):
-        self.units = units
+    def __init__(self):
         self.execution_order: list[Unit] = []
         self._next: dict[Unit, list[Unit]] = {}
         self.position: dict[Unit, int] = {}
@@ -110,14 +107,14 @@ class FlatParamRegistry:
 
     def __repr__(self) -> str:
         order = [u.fqn or "<root>" for u in self.execution_order]
-        return f"FlatParamRegistry(units={len(self.units)}, order={order})"
+        return f"ForwardOrder({order})"
 
 
 class RootContext:
     def __init__(self, root: Unit, units: list[Unit], device: torch.device):
         self.root = root
         self.units = units
-        self.registry = FlatParamRegistry(units)
+        self.forward_order = ForwardOrder()
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
@@ -201,7 +198,7 @@ class RootContext:
             return
         targets = unit.forward_prefetch
         if targets is None:
-            targets = self.registry.next_units(unit, self.root.prefetch_depth)
+            targets = self.forward_order.next_units(unit, self.root.prefetch_depth)
         for v in targets:
             if not v.is_unsharded:
                 trace("prefetch", v.fqn, "forward")
@@ -221,7 +218,7 @@ class RootContext:
         if self._callback_queued:  # in backward
             pos, order = self._gather_positions(), self._gather_order
         elif self.in_training_forward:
-            pos, order = self.registry.position, self.registry.execution_order
+            pos, order = self.forward_order.position, self.forward_order.execution_order
         else:
             return False  # eval: nothing would reshard what a bucket fetched ahead
         i = pos.get(unit)
@@ -270,7 +267,7 @@ class RootContext:
         if not self._callback_queued:
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
-            self.registry.set_order(list(self._step_order))
+            self.forward_order.set_order(list(self._step_order))
             _compat.queue_final_callback(self._final_callback)
 
     def in_nested_backward(self) -> bool:
