@@ -30,8 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp_compose._state as state_mod
-from fsdp_compose import _collectives, _flat_group, fully_shard, param_info
+from fsdp_compose import _collectives, _flat_group, _streams, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
@@ -89,9 +88,9 @@ def _train(streams: bool, per_unit: bool):
     rt = _Recorder() if streams else None
     patched = []
     if streams:
-        made = state_mod.StreamManager
-        state_mod.StreamManager = lambda device: made(device, runtime=rt)
-        patched.append(lambda: setattr(state_mod, "StreamManager", made))
+        seam = contextlib.ExitStack()  # every root's stream manager runs on rt
+        seam.enter_context(_streams.runtime_factory(lambda device: rt))
+        patched.append(seam.close)
         for kind in ("all_gather", "reduce_scatter", "all_reduce_async"):
             real = getattr(_collectives, kind)
 
