@@ -2,7 +2,7 @@
 
 [Note: checkpoint boxes]
 While sharded, rank r holds the flat range ``local_range = [a, b)`` of each
-parameter's row-major flattening (see ``_flat_group.py``), which is a block
+parameter's row-major flattening (see ``_param_entry.py``), which is a block
 of whole dim-0 rows ([Note: shard layout] in _layout.py): ONE *box* (n-D
 rectangle), a ``view`` of the local shard: ``shard[s:s+n].view(box_sizes)``.
 (The box code takes any flat range: a flat range of a row-major tensor is a
@@ -24,7 +24,7 @@ Optimizer state tensors that have the parameter's (local, row piece) shape get
 the same treatment, keyed by the parameter's FQN like
 ``torch.distributed.checkpoint.state_dict``; they are flattened with
 ``view(-1)`` first, which is the same piece. A rank keeps no optimizer state
-for a parameter it holds no rows of ([Note: empty pieces] in _flat_group.py),
+for a parameter it holds no rows of ([Note: empty pieces] in _grad_path.py),
 so the ranks' optimizer state dicts may hold different FQNs; DCP merges them
 (tested), and full state dicts merge them with one object all-gather per flat
 group (``_merged_state_info``).
@@ -429,7 +429,7 @@ def _merged_state_info(g, optim, ents) -> list[dict]:
     """``_state_info`` merged over the group's ranks (one object all-gather).
 
     A rank keeps no state for a parameter it holds no rows of (see [Note: empty
-    pieces] in _flat_group.py), so which keys exist, and the scalar values,
+    pieces] in _grad_path.py), so which keys exist, and the scalar values,
     come from the ranks that do; the key order is the first such rank's."""
     mine = _state_info(optim, ents)
     if g.world == 1:
@@ -515,7 +515,7 @@ def _ensure_optim_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a zero-gradient step with
     lr 0), so that a checkpoint can be loaded into it in place. Parameters this
     rank holds no rows of keep no gradient, hence no state (as in training, see
-    [Note: empty pieces] in _flat_group.py)."""
+    [Note: empty pieces] in _grad_path.py)."""
     if optim.state:
         return
     params = [p for grp in optim.param_groups for p in grp["params"]]

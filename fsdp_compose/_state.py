@@ -78,7 +78,8 @@ import torch.nn as nn
 
 from . import _compat
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
-from ._flat_group import gather_bucket, launch_bucket
+from ._flat_group import gather_bucket
+from ._grad_path import launch_bucket
 from ._registry import units_below
 from ._streams import StreamManager
 from ._unit import Unit
@@ -555,7 +556,7 @@ def lazy_init_root(unit: Unit) -> None:
         u.ctx = ctx
         raf = u.user_reshard_after_forward
         u.reshard_after_forward = (u is not unit) if raf is None else bool(raf)
-        if u.groups and all(g._aliased for g in u.groups):
+        if u.groups and all(g.aliased for g in u.groups):
             # world size 1, no cast/offload: the "unsharded" flat IS the shard,
             # resharding frees nothing; skip the swap-out/swap-in per step
             u.reshard_after_forward = False

@@ -206,7 +206,7 @@ class StreamManager:
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
         """In place; small tensors that travel with the reduce-scatters (the
-        used-flags of [Note: parameters without a gradient] in _flat_group.py),
+        used-flags of [Note: parameters without a gradient] in _grad_path.py),
         so on the reduce-scatter stream."""
         if self._rt is None:
             return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,))

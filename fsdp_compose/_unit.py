@@ -233,7 +233,7 @@ class Unit:
             for g in self.groups:
                 trains = g.requires_grad and not g.direct
                 # (any group whose requires_grad changed: its views must follow)
-                if not (g._views_stale or (trains and not g._aliased)):
+                if not (g._views_stale or (trains and not g.aliased)):
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import _collectives, _flat_group, _streams, fully_shard, param_info
+from fsdp_compose import _collectives, _grad_path, _streams, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
@@ -105,9 +105,9 @@ def _train(streams: bool, per_unit: bool):
             setattr(_collectives, kind, issue)
             patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
     if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
-        inline = _flat_group.INLINE_FLAGS_BYTES
-        _flat_group.INLINE_FLAGS_BYTES = 0
-        patched.append(lambda: setattr(_flat_group, "INLINE_FLAGS_BYTES", inline))
+        inline = _grad_path.INLINE_FLAGS_BYTES
+        _grad_path.INLINE_FLAGS_BYTES = 0
+        patched.append(lambda: setattr(_grad_path, "INLINE_FLAGS_BYTES", inline))
     try:
         for layer in model.layers:
             fully_shard(layer)

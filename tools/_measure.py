@@ -59,7 +59,7 @@ class Tracker:
     def param_bytes(self) -> int:
         n = 0
         for g in self.groups:
-            if g._aliased:
+            if g.aliased:
                 continue
             n += g.flat.untyped_storage().nbytes()
             if g._pf_shard is not None:
