@@ -287,7 +287,7 @@ class FlatGroup(GradientPath):
         """``nn.Module._apply`` (a cast, a move, ``to_empty``) changed the sharded
         Parameters: their ``.data``, or the objects the modules hold (``params``,
         one per entry, all of one dtype and device). See [Note: casts after
-        fully_shard] in _fully_shard.py.
+        fully_shard] in _fsdp_module.py.
 
         A new shard in their dtype, on their device (on CPU with offload), holds
         their values; they become views of it again. The compute and reduce

@@ -2,9 +2,9 @@
 
 A leaf: it imports nothing of the package, so every module may read it at
 module level (see docs/architecture.md, "Imports"). Written by fully_shard
-(_fully_shard.py), by a cast or move after it (``FSDPModule._apply``) and by
-``materialize``; read by the checkpoint, the optimizer check, clip and
-``param_info``.
+(_fully_shard.py), by a cast or move after it (``FSDPModule._apply``,
+_fsdp_module.py) and by ``materialize``; read by the checkpoint, the
+optimizer check, clip and ``param_info``.
 
 - a sharded module's unit: ``module.__dict__["_fsdp_unit"]`` (``unit_of``);
 - every sharded Parameter we created -> (group, entry) (``SHARDED``);
