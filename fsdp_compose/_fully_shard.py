@@ -257,6 +257,28 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     None. ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
     at any world size. Build the optimizer after ``fully_shard``.
     """
+    modules, label = _check_modules(module)
+    _torch_hooks.install()  # once: the optimizer check and clip_grad_norm_ routing
+    mesh = _check_mesh(label, mesh)
+    mp_policy, offload = _check_policies(label, mp_policy, offload_policy)
+    _check_granularity(label, shard_granularity)
+    ignored = _check_ignored(label, ignored_params)
+
+    device = _mesh_device(mesh)
+    shard_world = mesh.size(mesh.ndim - 1)
+    reshard_after_forward, post_forward_size = _check_reshard_after_forward(
+        label, reshard_after_forward, shard_world)
+    params = _collect(modules, ignored, label)
+    groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
+                            shard_granularity) if params else [])
+    unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
+                mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
+    _attach(unit, modules, params, device)
+    return module
+
+
+def _check_modules(module) -> tuple[list[nn.Module], str]:
+    """The unit's modules, and the label that names it in errors until the root names it."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError("fsdp_compose.fully_shard expects an nn.Module or a non-empty list of "
@@ -273,15 +295,20 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                              "it (or on the module that calls them).", exc=ValueError)
     if len({id(m) for m in modules}) != len(modules):
         raise unit_error(label, "the same module appears twice in the list.", exc=ValueError)
+    return modules, label
 
-    _torch_hooks.install()  # once: the optimizer check and clip_grad_norm_ routing
+
+def _check_mesh(label: str, mesh) -> DeviceMesh:
     mesh = _as_mesh(label, mesh) if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise unit_error(label, f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, "
                          f"got a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}.",
                          "Pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
                          "mesh['dp_replicate', 'dp_shard'].", exc=ValueError)
-    mp_policy, offload = _check_policies(label, mp_policy, offload_policy)
+    return mesh
+
+
+def _check_granularity(label: str, shard_granularity) -> None:
     if shard_granularity not in GRANULARITIES:
         raise unit_error(label, f"shard_granularity must be one of {GRANULARITIES}, got "
                          f"{shard_granularity!r}.", "Use \"row\" (the default: each rank holds "
@@ -289,8 +316,11 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                          "whole on one rank, for optimizers such as Muon or Adafactor).",
                          exc=ValueError)
 
-    # One model-wide set may be passed to every call (as FSDP2 accepts): a
-    # parameter outside these modules is simply not this unit's business.
+
+def _check_ignored(label: str, ignored_params) -> set[int]:
+    """The ids of ``ignored_params``. One model-wide set may be passed to every
+    call (as FSDP2 accepts): a parameter outside these modules is simply not
+    this unit's business."""
     ignored = list(ignored_params or ())
     for p in ignored:
         if not isinstance(p, nn.Parameter):
@@ -298,21 +328,17 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
                 else f"a {type(p).__name__}"
             raise unit_error(label, f"ignored_params contains {what}, not an nn.Parameter.",
                              "Pass parameters from module.parameters().", exc=ValueError)
+    return {id(p) for p in ignored}
 
-    device = _mesh_device(mesh)
-    shard_world = mesh.size(mesh.ndim - 1)
-    reshard_after_forward, post_forward_size = _check_reshard_after_forward(
-        label, reshard_after_forward, shard_world)
-    params = _collect(modules, {id(p) for p in ignored}, label)
-    groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
-                            shard_granularity) if params else [])
-    unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
-                mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
-    for g in groups:
+
+def _attach(unit: Unit, modules: list[nn.Module], params: list, device: torch.device) -> None:
+    """Install the sharded Parameters, record them and the originals they
+    replace (_registry.py), and make each module an FSDPModule of ``unit``."""
+    for g in unit.groups:
         g.install_sharded()
-    SHARDED.add_groups(groups)
+    SHARDED.add_groups(unit.groups)
     register_state_dict_hooks(unit)
-    entry_of = {id(e.slots): e for g in groups for e in g.entries}
+    entry_of = {id(e.slots): e for g in unit.groups for e in g.entries}
     for p, slots, _ in params:
         REPLACED[p] = unit
         ORIGINAL_ENTRY[p] = weakref.ref(entry_of[id(slots)])
@@ -322,7 +348,6 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
         add_forward_hooks(unit, m)
         make_fsdp_module(m)
         assign_fqns(m)
-    return module
 
 
 def _move_buffers(m: nn.Module, device: torch.device) -> None:
