@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from ._common import TrainingState, root_setting_fix, unit_error
+from ._common import RootSettings, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
 from ._unit import Unit
@@ -35,8 +35,8 @@ class FSDPModule:
         found = (unit_of(m) for m in (self.modules() if recurse else [self]))
         return list(dict.fromkeys(u for u in found if u is not None))
 
-    def _root_setting(self, where: str) -> Unit:
-        """The unit a root-only setting (``where``) is stored on: this one, which
+    def _root_setting(self, where: str) -> RootSettings:
+        """Where a root-only setting (``where``) is stored: this unit's, which
         must be the root. Known only after lazy init: a setting called earlier on
         a unit that does not become the root is an error at the first forward
         (``_state._check_root_settings``), never silently ignored."""
@@ -46,8 +46,8 @@ class FSDPModule:
                              f"the root unit '{unit.ctx.root.fqn or '<root>'}' only; this "
                              "unit is not the root.", root_setting_fix(where),
                              exc=ValueError)
-        unit.root_settings_called.add(where)
-        return unit
+        unit.root_settings.called.add(where)
+        return unit.root_settings
 
     def _apply(self, fn, recurse: bool = True):
         """``to`` / ``cuda`` / ``cpu`` / ``half`` / ``float`` / ``double`` /

@@ -116,6 +116,7 @@ class RootContext:
         self.root = root
         self.units = units
         self.forward_order = ForwardOrder()
+        self.settings = root.root_settings  # the model's settings (FSDPModule's root setters)
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
@@ -199,7 +200,7 @@ class RootContext:
             return
         targets = unit.forward_prefetch
         if targets is None:
-            targets = self.forward_order.next_units(unit, self.root.prefetch_depth)
+            targets = self.forward_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
             if not v.is_unsharded:
                 trace("prefetch", v.fqn, "forward")
@@ -213,7 +214,7 @@ class RootContext:
         and together write at most the bucket size: a function of the order,
         the sizes and the sharded states, which every rank shares, so every
         rank issues the same collectives."""
-        limit = self.root.gather_bucket_bytes
+        limit = self.settings.gather_bucket_bytes
         if limit <= 0 or not self.communicates:
             return False
         if self._callback_queued:  # in backward
@@ -303,7 +304,7 @@ class RootContext:
         stop = pos[unit]
         if not prefetch:
             return stop
-        stop += self.root.prefetch_depth
+        stop += self.settings.prefetch_depth
         if unit.backward_prefetch is not None:
             stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
         return min(stop, len(pos) - 1)
@@ -404,7 +405,7 @@ class RootContext:
                 if not (demand and self._no_gradient_here(unit)):
                     break  # (a demand that cannot wait for it issues its all-gather anyway)
             self._next += 1
-            if self.root.bucket_bytes <= 0 or not self.communicates:
+            if self.settings.bucket_bytes <= 0 or not self.communicates:
                 self._launch(unit)
                 continue
             # A bucket ends before the next unit to reduce would take it past
@@ -414,7 +415,7 @@ class RootContext:
             self._bucket.append(unit)
             self._bucket_bytes += _grad_bytes(unit)
             following = self._next_reduced_bytes()[self._next]
-            if following is None or self._bucket_bytes + following > self.root.bucket_bytes:
+            if following is None or self._bucket_bytes + following > self.settings.bucket_bytes:
                 self._launch_bucket()
 
     def _next_reduced_bytes(self) -> list:
@@ -453,7 +454,7 @@ class RootContext:
         self._maybe_wait()
 
     def _maybe_wait(self) -> None:
-        if not self.root.overlap_reduce_scatter:
+        if not self.settings.overlap_reduce_scatter:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def finish_in_flight(self) -> None:
@@ -480,7 +481,7 @@ class RootContext:
                         self._pending[u] = None
                     else:
                         self._pending.pop(u, None)
-            if self.root.is_last_backward or self.streams.host_work_pending:
+            if self.settings.is_last_backward or self.streams.host_work_pending:
                 self._drain()
                 self.streams.finish_host_work()  # CUDA offload: the one sync
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
@@ -580,8 +581,8 @@ def _check_root_settings(root: Unit, units: list[Unit]) -> None:
     """A root-only setting (FSDPModule._root_setting) called on a unit that did
     not become the root would be silently ignored: say so instead."""
     for u in units:
-        if u is not root and u.root_settings_called:
-            where = sorted(u.root_settings_called)[0]
+        if u is not root and u.root_settings.called:
+            where = sorted(u.root_settings.called)[0]
             raise unit_error(u.fqn, f"{where}() was called on this unit, but it is not the "
                              f"root ('{root.fqn or '<root>'}' is): the setting would be ignored.",
                              root_setting_fix(where), exc=ValueError)

@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import ShardedState, TrainingState, label, trace, unit_error, weak_hook
+from ._common import (RootSettings, ShardedState, TrainingState, label, trace, unit_error,
+                      weak_hook)
 from ._flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ class Unit:
         # False (set_unshard_in_backward): backward does not need the parameters
         # (e.g. an embedding): no all-gather for this unit in backward
         self.unshard_in_backward = True
-        self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
         self.kept_after_backward = False  # left gathered by the last backward (see above)
         mp = mp_policy
         self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
@@ -67,16 +67,7 @@ class Unit:
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
-        # Prefetch (read on the root): how many units to all-gather ahead, in
-        # forward (last step's order) and backward (gather order). Bounds the
-        # in-flight unsharded memory to the current unit plus this many.
-        self.prefetch_depth = 1
-        self.overlap_reduce_scatter = True  # read on the root, see set_overlap_reduce_scatter
-        self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
-        self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
-        # names of the root-only setters above called on this unit: an error at
-        # lazy init unless it became the root (see FSDPModule._root_setting)
-        self.root_settings_called: set[str] = set()
+        self.root_settings = RootSettings()  # read on the root only (RootContext.settings)
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.backward_prefetch: list[Unit] | None = None
