@@ -7,8 +7,8 @@
 """
 from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
-from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
-                           register_fsdp_forward_method)
+from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from ._fully_shard import fully_shard, param_info
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
 from ._checkpoint import get_state_dict, set_state_dict

@@ -2,7 +2,7 @@
 
 [Note: checkpoint boxes]
 While sharded, rank r holds the flat range ``local_range = [a, b)`` of each
-parameter's row-major flattening (see ``_flat_group.py``), which is a block
+parameter's row-major flattening (see ``_param_entry.py``), which is a block
 of whole dim-0 rows ([Note: shard layout] in _layout.py): ONE *box* (n-D
 rectangle), a ``view`` of the local shard: ``shard[s:s+n].view(box_sizes)``.
 (The box code takes any flat range: a flat range of a row-major tensor is a
@@ -24,7 +24,7 @@ Optimizer state tensors that have the parameter's (local, row piece) shape get
 the same treatment, keyed by the parameter's FQN like
 ``torch.distributed.checkpoint.state_dict``; they are flattened with
 ``view(-1)`` first, which is the same piece. A rank keeps no optimizer state
-for a parameter it holds no rows of ([Note: empty pieces] in _flat_group.py),
+for a parameter it holds no rows of ([Note: empty pieces] in _grad_path.py),
 so the ranks' optimizer state dicts may hold different FQNs; DCP merges them
 (tested), and full state dicts merge them with one object all-gather per flat
 group (``_merged_state_info``).
@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from . import _collectives, _compat
 from ._common import TrainingState, rank as _rank
+from ._registry import SHARDED, units_below
 
 _SLOTS = "_fsdp_ckpt_slots"  # module.__dict__: {param name: (unit, group, entry)}
 
@@ -346,8 +347,7 @@ def _msg(fqn: str, what: str) -> str:
 
 # ------------------------------------------------------- full state dicts
 def _units(model: nn.Module) -> list:
-    from ._state import _units_below
-    return [u for _, u in _units_below(model)]
+    return [u for _, u in units_below(model)]
 
 
 def _gather(g, local: torch.Tensor) -> torch.Tensor:
@@ -429,7 +429,7 @@ def _merged_state_info(g, optim, ents) -> list[dict]:
     """``_state_info`` merged over the group's ranks (one object all-gather).
 
     A rank keeps no state for a parameter it holds no rows of (see [Note: empty
-    pieces] in _flat_group.py), so which keys exist, and the scalar values,
+    pieces] in _grad_path.py), so which keys exist, and the scalar values,
     come from the ranks that do; the key order is the first such rank's."""
     mine = _state_info(optim, ents)
     if g.world == 1:
@@ -515,15 +515,14 @@ def _ensure_optim_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a zero-gradient step with
     lr 0), so that a checkpoint can be loaded into it in place. Parameters this
     rank holds no rows of keep no gradient, hence no state (as in training, see
-    [Note: empty pieces] in _flat_group.py)."""
-    from ._fully_shard import _SHARDED
+    [Note: empty pieces] in _grad_path.py)."""
     if optim.state:
         return
     params = [p for grp in optim.param_groups for p in grp["params"]]
     if any(p.grad is not None for p in params):
         return
     for p in params:
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if p.requires_grad and not (hit is not None and hit[1].held_elsewhere()):
             p.grad = torch.zeros_like(p)
     saved = []
@@ -541,7 +540,6 @@ def _ensure_optim_state(optim) -> None:
 
 
 def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
-    from ._fully_shard import _SHARDED
     osd = optim.state_dict()
     params = [p for grp in optim.param_groups for p in grp["params"]]
     missing = [i for i, p in enumerate(params) if p not in fqns]
@@ -552,7 +550,7 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
                          "optimizer was built for (built after fully_shard / materialize).")
     state = {}
     for pid, p in enumerate(params):
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if full is not None and hit is not None:
             # every rank's state, also where this rank keeps none (empty piece)
             if id(hit[1]) in full:
@@ -665,7 +663,6 @@ def _load_optim(optim, osd: dict, fqns: dict) -> None:
 def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
     """What ``optim.load_state_dict`` takes, from ``osd`` (keyed by FQN); checks
     and builds without touching ``optim``."""
-    from ._fully_shard import _SHARDED
     if "state" not in osd or "param_groups" not in osd:
         raise ValueError("fsdp_compose.set_state_dict: optim_state_dict must have 'state' and "
                          "'param_groups' (as returned by get_state_dict).")
@@ -681,7 +678,7 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
                                  f"of shape {tuple(p.shape)} that is not a parameter of this "
                                  "model. Pass the model the optimizer was built for.")
             src = src or where.get(fqn)
-            hit = _SHARDED.get(p)
+            hit = SHARDED.get(p)
             # no state where this rank holds none of it ([Note: empty pieces])
             if fqn in loaded_state and not (hit is not None and hit[1].held_elsewhere()):
                 new_state[pid] = {k: _local_state(fqn, k, v, p, hit)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -28,6 +29,26 @@ class ShardedState(enum.Enum):
     UNSHARDING = enum.auto()  # all-gather issued, not yet waited
     UNSHARDED = enum.auto()   # full flat buffer holds data; params are full-shape views
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
+
+
+@dataclass
+class RootSettings:
+    """The settings of the whole model (FSDPModule's root-only setters), read
+    on the root only (``RootContext.settings``). Every unit has one, since
+    which unit becomes the root is known only at lazy init; a setter called
+    on a unit that does not become it is an error there."""
+
+    # how many units to all-gather ahead, in forward (last step's order) and
+    # backward (gather order): in-flight unsharded memory is the current
+    # unit plus this many
+    prefetch_depth: int = 1
+    overlap_reduce_scatter: bool = True  # see set_overlap_reduce_scatter
+    bucket_bytes: int = 1 << 20          # see set_reduce_scatter_bucket_bytes
+    gather_bucket_bytes: int = 1 << 20   # see set_all_gather_bucket_bytes
+    is_last_backward: bool = True        # False leaves the last reduce in flight
+    # names of the setters called on this unit: an error at lazy init unless
+    # it became the root (see FSDPModule._root_setting)
+    called: set[str] = field(default_factory=set)
 
 
 def weak_hook(obj, method: str, arg=None):

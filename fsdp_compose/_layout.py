@@ -44,6 +44,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 GRANULARITIES = ("row", "tensor")
+ALIGN_BYTES = 16  # every piece starts at a multiple of this many bytes
+
+
+def align_elems(itemsize: int) -> int:
+    """The alignment in elements of ``itemsize`` bytes (at least 1)."""
+    return max(1, ALIGN_BYTES // itemsize)
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,21 @@ class Layout:
     def rank_numel(self) -> tuple[int, ...]:
         """Elements (padding excluded) each rank holds."""
         return self._rank_numel
+
+    def split_plan(self) -> tuple[list[int], list[int]]:
+        """The unsharded flat split into the parameters (in flat order) and the
+        padding between them: (split sizes, index of each parameter's piece). One
+        split, one view per parameter (see ``FlatGroup.refresh_views``)."""
+        sizes, view_at, at = [], [0] * len(self.slots), 0
+        for i in sorted(range(len(self.slots)), key=self.offsets.__getitem__):
+            if self.offsets[i] > at:
+                sizes.append(self.offsets[i] - at)  # padding
+            view_at[i] = len(sizes)
+            sizes.append(self.slots[i].numel)
+            at = self.offsets[i] + self.slots[i].numel
+        if self.numel > at:
+            sizes.append(self.numel - at)  # tail padding
+        return sizes, view_at
 
 
 def _ceil_to(n: int, k: int) -> int:

@@ -56,6 +56,7 @@ import torch.nn as nn
 from . import _compat
 from ._checkpoint import (_as_list, _optim_load_dict, _param_fqns, _units, get_state_dict,
                           sharded_value)
+from ._registry import SHARDED
 from ._common import META_FIX, TrainingState, rank as _rank, unit_error
 
 
@@ -161,10 +162,9 @@ class _Stage:
                 self.made += [(out, k, v) for k, v in enumerate(out) if isinstance(v, torch.Tensor)]
             return out if isinstance(value, list) else type(value)(out)  # (DCP cannot set into a tuple)
         if _compat.is_sharded_tensor(value):
-            from ._fully_shard import _SHARDED
             e, local = value._fsdp_compose_local
             buf = torch.empty(local.shape, dtype=local.dtype, device=self.device)
-            return sharded_value(_SHARDED.get(e.sharded)[0], e, buf)
+            return sharded_value(SHARDED.get(e.sharded)[0], e, buf)
         if isinstance(value, torch.distributed.tensor.DTensor):
             local = value.to_local()
             return torch.distributed.tensor.DTensor.from_local(

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ._checkpoint import _SLOTS, _units
+from ._registry import SHARDED
 from ._common import default_device
 from ._common import rank as _rank
 
@@ -83,7 +84,6 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     m = Build()`` at any world size (see the Note in ``_materialize.py``).
     Build optimizers after this: the sharded Parameters are new objects.
     """
-    from ._fully_shard import _SHARDED
     units = _units(model)
     if device is not None:
         device = torch.device(device)
@@ -95,8 +95,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     meta_groups = [g for u in units for g in u.groups if g.device.type == "meta"]
     for g in meta_groups:
         g.materialize_(group_device[id(g)])
-        for e in g.entries:
-            _SHARDED[e.sharded] = (g, e)
+        SHARDED.add_groups([g])
     fresh = {id(g) for g in meta_groups}
     done: set[int] = set()           # entries initialised
     uninit: list[str] = []

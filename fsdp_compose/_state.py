@@ -3,7 +3,7 @@
 The first forward (or ``unshard()``) of any sharded module makes that module's
 unit the *root*: it walks its subtree once, names every unit and parameter by
 FQN, checks the parameters, and builds the ``RootContext`` all units then
-reference: the flat-param registry, the stream manager, and the backward
+reference: the recorded forward order, the stream manager, and the backward
 bookkeeping (reduce-scatter order, the final callback).
 
 [Note: collective order]
@@ -78,26 +78,21 @@ import torch.nn as nn
 
 from . import _compat
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
-from ._flat_group import gather_bucket, launch_bucket
+from ._flat_group import gather_bucket
+from ._grad_path import launch_bucket
+from ._registry import units_below
 from ._streams import StreamManager
 from ._unit import Unit
 
 
-def unit_of(module: nn.Module) -> Unit | None:
-    return module.__dict__.get("_fsdp_unit")
-
-
-class FlatParamRegistry:
-    """Every unit below the root, in module order, and their execution order.
-
-    ``execution_order``: the units in the order of
-    their first forward in the last training step (re-recorded every step, so
-    a changed order is followed from the next step on). Forward prefetching
-    walks it: ``next_units(u, n)`` are the n units after ``u``.
+class ForwardOrder:
+    """The units in the order of their first forward in the last training
+    step (re-recorded every step, so a changed order is followed from the
+    next step on). Forward prefetching walks it: ``next_units(u, n)`` are
+    the n units after ``u``; all-gather buckets read ``position``.
     """
 
-    def __init__(self, units: list[Unit]):
-        self.units = units
+    def __init__(self):
         self.execution_order: list[Unit] = []
         self._next: dict[Unit, list[Unit]] = {}
         self.position: dict[Unit, int] = {}
@@ -113,14 +108,15 @@ class FlatParamRegistry:
 
     def __repr__(self) -> str:
         order = [u.fqn or "<root>" for u in self.execution_order]
-        return f"FlatParamRegistry(units={len(self.units)}, order={order})"
+        return f"ForwardOrder({order})"
 
 
 class RootContext:
     def __init__(self, root: Unit, units: list[Unit], device: torch.device):
         self.root = root
         self.units = units
-        self.registry = FlatParamRegistry(units)
+        self.forward_order = ForwardOrder()
+        self.settings = root.root_settings  # the model's settings (FSDPModule's root setters)
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
@@ -204,7 +200,7 @@ class RootContext:
             return
         targets = unit.forward_prefetch
         if targets is None:
-            targets = self.registry.next_units(unit, self.root.prefetch_depth)
+            targets = self.forward_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
             if not v.is_unsharded:
                 trace("prefetch", v.fqn, "forward")
@@ -218,13 +214,13 @@ class RootContext:
         and together write at most the bucket size: a function of the order,
         the sizes and the sharded states, which every rank shares, so every
         rank issues the same collectives."""
-        limit = self.root.gather_bucket_bytes
+        limit = self.settings.gather_bucket_bytes
         if limit <= 0 or not self.communicates:
             return False
         if self._callback_queued:  # in backward
             pos, order = self._gather_positions(), self._gather_order
         elif self.in_training_forward:
-            pos, order = self.registry.position, self.registry.execution_order
+            pos, order = self.forward_order.position, self.forward_order.execution_order
         else:
             return False  # eval: nothing would reshard what a bucket fetched ahead
         i = pos.get(unit)
@@ -273,7 +269,7 @@ class RootContext:
         if not self._callback_queued:
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
-            self.registry.set_order(list(self._step_order))
+            self.forward_order.set_order(list(self._step_order))
             _compat.queue_final_callback(self._final_callback)
 
     def in_nested_backward(self) -> bool:
@@ -308,7 +304,7 @@ class RootContext:
         stop = pos[unit]
         if not prefetch:
             return stop
-        stop += self.root.prefetch_depth
+        stop += self.settings.prefetch_depth
         if unit.backward_prefetch is not None:
             stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
         return min(stop, len(pos) - 1)
@@ -409,7 +405,7 @@ class RootContext:
                 if not (demand and self._no_gradient_here(unit)):
                     break  # (a demand that cannot wait for it issues its all-gather anyway)
             self._next += 1
-            if self.root.bucket_bytes <= 0 or not self.communicates:
+            if self.settings.bucket_bytes <= 0 or not self.communicates:
                 self._launch(unit)
                 continue
             # A bucket ends before the next unit to reduce would take it past
@@ -419,7 +415,7 @@ class RootContext:
             self._bucket.append(unit)
             self._bucket_bytes += _grad_bytes(unit)
             following = self._next_reduced_bytes()[self._next]
-            if following is None or self._bucket_bytes + following > self.root.bucket_bytes:
+            if following is None or self._bucket_bytes + following > self.settings.bucket_bytes:
                 self._launch_bucket()
 
     def _next_reduced_bytes(self) -> list:
@@ -458,7 +454,7 @@ class RootContext:
         self._maybe_wait()
 
     def _maybe_wait(self) -> None:
-        if not self.root.overlap_reduce_scatter:
+        if not self.settings.overlap_reduce_scatter:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def finish_in_flight(self) -> None:
@@ -485,7 +481,7 @@ class RootContext:
                         self._pending[u] = None
                     else:
                         self._pending.pop(u, None)
-            if self.root.is_last_backward or self.streams.host_work_pending:
+            if self.settings.is_last_backward or self.streams.host_work_pending:
                 self._drain()
                 self.streams.finish_host_work()  # CUDA offload: the one sync
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
@@ -529,23 +525,10 @@ def _grad_bytes(unit: Unit) -> int:
     return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
 
 
-def _units_below(module: nn.Module) -> list[tuple[str, Unit]]:
-    found: dict[Unit, str] = {}
-    for name, m in module.named_modules():
-        u = unit_of(m)
-        if u is None:
-            continue
-        if u in found:  # a list unit: name it by all its modules
-            found[u] = f"{found[u]}, {name}"
-        else:
-            found[u] = name
-    return [(fqn, u) for u, fqn in found.items()]
-
-
 def assign_fqns(module: nn.Module) -> None:
     """Name every unit and parameter below ``module`` relative to it."""
     prefix = {id(m): name for name, m in module.named_modules()}
-    for fqn, u in _units_below(module):
+    for fqn, u in units_below(module):
         u.fqn = fqn
         for g in u.groups:
             g.unit_fqn = u.fqn
@@ -560,7 +543,7 @@ def lazy_init_root(unit: Unit) -> None:
     root_module = unit.modules[0]
     if len(unit.modules) == 1:
         assign_fqns(root_module)
-    units = list(dict.fromkeys(u for m in unit.modules for _, u in _units_below(m)))
+    units = list(dict.fromkeys(u for m in unit.modules for _, u in units_below(m)))
     _check_not_meta(unit, units)
     _check_root_settings(unit, units)
     for u in units:
@@ -574,7 +557,7 @@ def lazy_init_root(unit: Unit) -> None:
         u.ctx = ctx
         raf = u.user_reshard_after_forward
         u.reshard_after_forward = (u is not unit) if raf is None else bool(raf)
-        if u.groups and all(g._aliased for g in u.groups):
+        if u.groups and all(g.aliased for g in u.groups):
             # world size 1, no cast/offload: the "unsharded" flat IS the shard,
             # resharding frees nothing; skip the swap-out/swap-in per step
             u.reshard_after_forward = False
@@ -598,8 +581,8 @@ def _check_root_settings(root: Unit, units: list[Unit]) -> None:
     """A root-only setting (FSDPModule._root_setting) called on a unit that did
     not become the root would be silently ignored: say so instead."""
     for u in units:
-        if u is not root and u.root_settings_called:
-            where = sorted(u.root_settings_called)[0]
+        if u is not root and u.root_settings.called:
+            where = sorted(u.root_settings.called)[0]
             raise unit_error(u.fqn, f"{where}() was called on this unit, but it is not the "
                              f"root ('{root.fqn or '<root>'}' is): the setting would be ignored.",
                              root_setting_fix(where), exc=ValueError)

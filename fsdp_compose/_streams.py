@@ -38,7 +38,8 @@ other and compute):
   the all-reduce stream only when an HSDP unit first needs it.
 - ``runtime`` is the seam for a test double on CPU (tests/test_streams.py,
   tests/test_gpu_path.py): the protocol above is checked there; on CUDA it
-  is torch.cuda's.
+  is torch.cuda's. A root makes its manager at lazy init; tests choose its
+  runtime with ``runtime_factory(...)`` around the model's first forward.
 
 [Note: post-reduce] What follows a reduce-scatter on CUDA runs on a side
 stream, right after the collective is issued (``reduce_scatter(then=)``,
@@ -58,7 +59,8 @@ rewrite a pinned shard that a non-blocking copy has not read yet.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -103,6 +105,28 @@ class CudaRuntime:
         dst.copy_(src, non_blocking=True)
 
 
+def default_runtime(device: torch.device) -> "CudaRuntime | None":
+    """torch.cuda's streams and events on a CUDA device; None elsewhere (gloo:
+    no side streams, ``wait()`` blocks the CPU)."""
+    return CudaRuntime() if device.type == "cuda" else None
+
+
+_runtime_for: Callable[[torch.device], object] = default_runtime
+
+
+@contextlib.contextmanager
+def runtime_factory(runtime_for: Callable[[torch.device], object]) -> Iterator[None]:
+    """Every ``StreamManager`` made inside (one per root, at lazy init) takes
+    its runtime from ``runtime_for(device)`` (None: no side streams) instead
+    of ``default_runtime``: the constructor seam for a test double."""
+    global _runtime_for
+    prev, _runtime_for = _runtime_for, runtime_for
+    try:
+        yield
+    finally:
+        _runtime_for = prev
+
+
 class _EventWork:
     """A collective finished on a side stream when ``event`` completes."""
 
@@ -121,8 +145,8 @@ class StreamManager:
 
     def __init__(self, device: torch.device, runtime=None):
         self.device = device
-        if runtime is None and device.type == "cuda":
-            runtime = CudaRuntime()
+        if runtime is None:
+            runtime = _runtime_for(device)  # default_runtime, or a test's (runtime_factory)
         self._rt = runtime
         # gloo on CPU: wait() blocks this thread; side streams only order streams
         self.waits_block_cpu = runtime is None
@@ -182,7 +206,7 @@ class StreamManager:
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
         """In place; small tensors that travel with the reduce-scatters (the
-        used-flags of [Note: parameters without a gradient] in _flat_group.py),
+        used-flags of [Note: parameters without a gradient] in _grad_path.py),
         so on the reduce-scatter stream."""
         if self._rt is None:
             return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,))

@@ -43,7 +43,8 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _compat
-from ._common import unit_error
+from ._common import rank as _rank, unit_error
+from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
 
 ELEMENTWISE = "elementwise"    # exact on any piece
 WHOLE_TENSOR = "whole_tensor"  # exact where each piece is the whole tensor (or empty)
@@ -100,6 +101,40 @@ def _signature(opt: torch.optim.Optimizer) -> tuple:
     return tuple(len(g["params"]) for g in opt.param_groups)
 
 
+# ------------------------------------------------------------------------
+# An optimizer built before fully_shard holds the original Parameters, which
+# no module uses any more: it would step tensors without gradients and the
+# model would silently never train. Refused at its first step, on every rank
+# alike (each rank built its optimizer the same way), by the optimizer check
+# below (torch.optim's global step pre-hook, cached per optimizer and
+# parameter list).
+def _replaced_name(p) -> str | None:
+    """The FQN of ``p`` if fully_shard or materialize replaced it, else None."""
+    if p in REPLACED:
+        ref = ORIGINAL_ENTRY.get(p)
+        e = ref() if ref is not None else None
+        return e.fqn if e is not None else f"a parameter of unit '{REPLACED[p].fqn}'"
+    hit = SHARDED.get(p)
+    if hit is not None and hit[1].sharded is not p:  # a meta Parameter before materialize
+        return hit[1].fqn
+    return None
+
+
+def check_no_replaced_params(optimizer) -> None:
+    """Raise if ``optimizer`` holds Parameters that fully_shard or materialize replaced."""
+    stale = [name for g in optimizer.param_groups for p in g["params"]
+             if (name := _replaced_name(p)) is not None]
+    if stale:
+        shown = ", ".join(repr(s) for s in stale[:8]) + (
+            f" and {len(stale) - 8} more" if len(stale) > 8 else "")
+        raise RuntimeError(
+            f"fsdp_compose [rank {_rank()}]: {type(optimizer).__name__}.step(): the "
+            f"optimizer holds {len(stale)} parameter(s) that fully_shard (or materialize) "
+            f"replaced: {shown}. No module uses them any more, so they get no gradient and "
+            "the model would never train. Build the optimizer after fully_shard (and after "
+            "materialize), from model.parameters().")
+
+
 def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     sig = _signature(opt)
     if _checked.get(opt) == sig:
@@ -109,8 +144,6 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
-    # (the registry: imports flow _fully_shard -> here)
-    from ._fully_shard import _SHARDED, check_no_replaced_params
     check_no_replaced_params(opt)  # built before fully_shard: never trains
     cls = type(opt)
     kind = optimizer_kind(cls)
@@ -118,7 +151,7 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> None:
         return
     for group in opt.param_groups:
         for p in group["params"]:
-            hit = _SHARDED.get(p)
+            hit = SHARDED.get(p)
             if hit is None:
                 continue
             g, e = hit
@@ -172,15 +205,13 @@ def split_across_ranks(g, e) -> bool:
 # clip_grad_norm_: see the Note
 # ---------------------------------------------------------------------------
 def _any_sharded(params) -> bool:
-    from ._fully_shard import _SHARDED
-    return any(p in _SHARDED for p in params)
+    return any(p in SHARDED for p in params)
 
 
 def _any_split(params) -> bool:
     """Some parameter's gradient is spread over ranks (the local norm is not the norm)."""
-    from ._fully_shard import _SHARDED
     for p in params:
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
             return True
     return False

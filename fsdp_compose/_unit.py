@@ -19,14 +19,15 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import ShardedState, TrainingState, label, trace, unit_error, weak_hook
+from ._common import (RootSettings, ShardedState, TrainingState, label, trace, unit_error,
+                      weak_hook)
 from ._flat_group import FlatGroup
 
 if TYPE_CHECKING:
@@ -36,8 +37,12 @@ if TYPE_CHECKING:
 class Unit:
     def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
                  reshard_after_forward: bool | None, label: str, mp_policy=None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"),
+                 lazy_init_root: Callable[["Unit"], None]):
         self.modules = modules
+        # _state.lazy_init_root, passed in by fully_shard: _state imports this
+        # module, so this one never imports _state (docs/architecture.md)
+        self._lazy_init_root = lazy_init_root
         self.groups = groups
         self.device = device  # its mesh's device (a root without parameters takes it)
         # groups whose flat gradient we reduce (a direct group's Parameters get
@@ -53,7 +58,6 @@ class Unit:
         # False (set_unshard_in_backward): backward does not need the parameters
         # (e.g. an embedding): no all-gather for this unit in backward
         self.unshard_in_backward = True
-        self.is_last_backward = True  # read on the root: False leaves the last reduce in flight
         self.kept_after_backward = False  # left gathered by the last backward (see above)
         mp = mp_policy
         self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
@@ -63,16 +67,7 @@ class Unit:
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
-        # Prefetch (read on the root): how many units to all-gather ahead, in
-        # forward (last step's order) and backward (gather order). Bounds the
-        # in-flight unsharded memory to the current unit plus this many.
-        self.prefetch_depth = 1
-        self.overlap_reduce_scatter = True  # read on the root, see set_overlap_reduce_scatter
-        self.bucket_bytes = 1 << 20  # read on the root, see set_reduce_scatter_bucket_bytes
-        self.gather_bucket_bytes = 1 << 20  # read on the root, see set_all_gather_bucket_bytes
-        # names of the root-only setters above called on this unit: an error at
-        # lazy init unless it became the root (see FSDPModule._root_setting)
-        self.root_settings_called: set[str] = set()
+        self.root_settings = RootSettings()  # read on the root only (RootContext.settings)
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.backward_prefetch: list[Unit] | None = None
@@ -122,8 +117,7 @@ class Unit:
     # ----------------------------------------------------------- unshard/reshard
     def _ensure_ctx(self) -> "RootContext":
         if self.ctx is None:
-            from ._state import lazy_init_root
-            lazy_init_root(self)
+            self._lazy_init_root(self)
         return self.ctx
 
     def unshard(self) -> None:
@@ -230,7 +224,7 @@ class Unit:
             for g in self.groups:
                 trains = g.requires_grad and not g.direct
                 # (any group whose requires_grad changed: its views must follow)
-                if not (g._views_stale or (trains and not g._aliased)):
+                if not (g._views_stale or (trains and not g.aliased)):
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import _collectives
 from ._common import rank as _rank
-from ._fully_shard import _SHARDED
+from ._registry import SHARDED
 
 
 def _shard_groups(mesh, placements) -> tuple:
@@ -57,7 +57,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     classes: dict[tuple, list[torch.Tensor]] = {}
     device = None
     for p in params:
-        hit = _SHARDED.get(p)
+        hit = SHARDED.get(p)
         if hit is not None:
             g, e = hit
             key = (g.pg,) + (_shard_groups(e.tp.mesh, e.tp.placements) if e.tp else ())

@@ -2,7 +2,7 @@
 
 fully_shard's forward hooks all-gather and free parameters: they must run
 eagerly, outside the compiled region ([Note: torch.compile] in
-_fully_shard.py). Each scenario trains a model 4 steps, compiled with
+_fsdp_module.py). Each scenario trains a model 4 steps, compiled with
 ``backend="aot_eager"`` (dynamo and AOT autograd without inductor's C++
 compile), and reads dynamo's counters:
 

@@ -42,7 +42,6 @@ from torch.distributed.distributed_c10d import BackendConfig
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-import fsdp_compose._state as state_mod
 import fsdp_compose._streams as streams_mod
 from fsdp_compose import (CPUOffloadPolicy, clip_grad_norm_, fully_shard, materialize,
                           param_info)
@@ -204,9 +203,7 @@ def recording(rt, use_double: bool = True):
     ``use_double`` every root's StreamManager runs on ``rt``."""
     with contextlib.ExitStack() as stack:
         if use_double:
-            made = state_mod.StreamManager
-            stack.enter_context(mock.patch.object(
-                state_mod, "StreamManager", lambda device: made(device, runtime=rt)))
+            stack.enter_context(streams_mod.runtime_factory(lambda device: rt))
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             real = getattr(_collectives, kind)
 
@@ -297,7 +294,7 @@ def _paramless_root(rank, world):
     ref = copy.deepcopy(model)
     cpu_mesh = init_device_mesh("cpu", (world,))
     with CudaJob().active(), recording(rt, use_double=False), \
-            mock.patch.object(streams_mod, "CudaRuntime", lambda: rt):
+            streams_mod.runtime_factory(lambda d: rt if d.type == "cuda" else None):
         # The blocks live on this machine's CPU; the root owns no parameter, so
         # its mesh may say CUDA (as in a GPU job) without anything allocated there.
         for block in model:

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _flat_group, fully_shard, param_info
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path, fully_shard, param_info
 
 from ._dist import run_distributed
 from ._pieces import local_piece
@@ -346,11 +346,11 @@ def separate_flags(fn):
     """``fn`` with every flat gradient's used-flags in an all-reduce of their
     own (as for flat gradients above INLINE_FLAGS_BYTES; these are small)."""
     def run(*args, **kw):
-        inline, _flat_group.INLINE_FLAGS_BYTES = _flat_group.INLINE_FLAGS_BYTES, 0
+        inline, _grad_path.INLINE_FLAGS_BYTES = _grad_path.INLINE_FLAGS_BYTES, 0
         try:
             return fn(*args, **kw)
         finally:
-            _flat_group.INLINE_FLAGS_BYTES = inline
+            _grad_path.INLINE_FLAGS_BYTES = inline
     return run
 
 

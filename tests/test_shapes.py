@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp_compose
 from fsdp_compose import fully_shard, param_info
-from fsdp_compose._fully_shard import _SHARDED
+from fsdp_compose._registry import SHARDED as _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece

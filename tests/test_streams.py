@@ -30,8 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp_compose._state as state_mod
-from fsdp_compose import _collectives, _flat_group, fully_shard, param_info
+from fsdp_compose import _collectives, _grad_path, _streams, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
@@ -89,9 +88,9 @@ def _train(streams: bool, per_unit: bool):
     rt = _Recorder() if streams else None
     patched = []
     if streams:
-        made = state_mod.StreamManager
-        state_mod.StreamManager = lambda device: made(device, runtime=rt)
-        patched.append(lambda: setattr(state_mod, "StreamManager", made))
+        seam = contextlib.ExitStack()  # every root's stream manager runs on rt
+        seam.enter_context(_streams.runtime_factory(lambda device: rt))
+        patched.append(seam.close)
         for kind in ("all_gather", "reduce_scatter", "all_reduce_async"):
             real = getattr(_collectives, kind)
 
@@ -106,9 +105,9 @@ def _train(streams: bool, per_unit: bool):
             setattr(_collectives, kind, issue)
             patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
     if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
-        inline = _flat_group.INLINE_FLAGS_BYTES
-        _flat_group.INLINE_FLAGS_BYTES = 0
-        patched.append(lambda: setattr(_flat_group, "INLINE_FLAGS_BYTES", inline))
+        inline = _grad_path.INLINE_FLAGS_BYTES
+        _grad_path.INLINE_FLAGS_BYTES = 0
+        patched.append(lambda: setattr(_grad_path, "INLINE_FLAGS_BYTES", inline))
     try:
         for layer in model.layers:
             fully_shard(layer)

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from fsdp_compose import clip_grad_norm_, fully_shard, param_info
-from fsdp_compose._fully_shard import _SHARDED
+from fsdp_compose._registry import SHARDED as _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece

@@ -50,7 +50,7 @@ def compare(model, ref, what: str, tol: float = 1e-5, grads: bool = True) -> lis
     theirs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         r = theirs[name]
-        hit = fsdp_compose._fully_shard._SHARDED.get(p)
+        hit = fsdp_compose._registry.SHARDED.get(p)
         a, b = param_info(p).local_range if hit is not None else (0, p.numel())
         for kind, got, want in [("param", p, r)] + ([("grad", p.grad, r.grad)] if grads else []):
             if kind == "grad" and got is None and a == b and want is not None:
@@ -240,7 +240,7 @@ def model_wide_ignored(rank, world):
     for p in ignored:
         if p not in set(m.parameters()) or tuple(p.shape) != kept[id(p)]:
             bad.append(f"ignored parameter {tuple(p.shape)} was replaced or reshaped")
-        if p in fsdp_compose._fully_shard._SHARDED:
+        if p in fsdp_compose._registry.SHARDED:
             bad.append(f"ignored parameter {tuple(p.shape)} was sharded")
     # every rank sees the same batch: an ignored parameter's (unreduced) gradient
     # then equals the reference's, as do the sharded ones

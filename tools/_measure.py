@@ -59,7 +59,7 @@ class Tracker:
     def param_bytes(self) -> int:
         n = 0
         for g in self.groups:
-            if g._aliased:
+            if g.aliased:
                 continue
             n += g.flat.untyped_storage().nbytes()
             if g._pf_shard is not None:
@@ -121,7 +121,7 @@ def setup(cfg, rank: int, world: int):
     """The model built for real (seed 0 on every rank) and sharded as the plan
     does; its units (root first), optimizer and this rank's batch."""
     import torch
-    from fsdp_compose._state import unit_of
+    from fsdp_compose._registry import unit_of
     from tools.plan import build_model, make_mesh, make_optimizer, select_blocks, shard
     torch.manual_seed(0)
     model = build_model(cfg)

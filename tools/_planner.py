@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from fsdp_compose import _layout
 from fsdp_compose.api import CommStats
-from fsdp_compose._flat_group import INLINE_FLAGS_BYTES
+from fsdp_compose._grad_path import INLINE_FLAGS_BYTES
 
 # -------------------------------------------------------------- description
 @dataclass(eq=False)
@@ -92,7 +92,7 @@ class GroupInfo:
     @property
     def flags(self) -> int:
         """E: one used-flag per parameter ([Note: parameters without a
-        gradient] in fsdp_compose/_flat_group.py)."""
+        gradient] in fsdp_compose/_grad_path.py)."""
         return len(self.entries)
 
     @property
@@ -141,7 +141,7 @@ def describe(root_unit, blocks: list) -> list[UnitInfo]:
                 compute_dtype=_dtype_name(g.compute_dtype),
                 reduce_dtype=_dtype_name(g.reduce_dtype),
                 converts_grad=g.reduce_dtype != g.dtype, requires_grad=g.requires_grad,
-                direct=g.direct, aliased=g._aliased, world=g.world, replicas=g.replicas,
+                direct=g.direct, aliased=g.aliased, world=g.world, replicas=g.replicas,
                 post_forward=g.post_forward.size if g.post_forward is not None else None,
                 layout=g.layout,
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)

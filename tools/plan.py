@@ -218,7 +218,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
     import torch
     import torch.distributed as dist
     from fsdp_compose import _fully_shard
-    from fsdp_compose._state import unit_of
+    from fsdp_compose._registry import unit_of
     from tools import _planner
 
     t0 = time.perf_counter()

@@ -1,0 +1,419 @@
+"""The gradient path of a flat group: from the flat gradient autograd
+accumulated to ``p.grad`` of the sharded Parameters.
+
+    take_grad        flat.grad (or zeros) in the reduce dtype, unsynced
+                     microbatches added, pre-divided: a ``TakenGrad``
+    launch_*         the reduce-scatter (its input: the flat gradient, with
+                     the used-flags inline or in their own all-reduce)
+    _finish_reduce   the post-reduce: HSDP all-reduce, post-divide, cast or
+                     device-to-host copy, then ``_fold_grad`` into p.grad
+
+``GradientPath`` is the gradient half of ``FlatGroup`` (_flat_group.py holds
+the storage half: shard, flat, views, gather and free). It is a mixin: it
+owns the attributes ``_init_grad_state`` sets (``on_grads_computed`` is set
+by the unit, ``requires_all_reduce`` by ``FSDPModule``), and reads the
+group's layout and storage (``entries``, ``flat``, ``shard_numel``,
+``padded_numel``, ``world``, ``replicas``, ``device``, ``dtype``,
+``compute_dtype``, ``reduce_dtype``, ``rs_pg``, ``replicate_pg``,
+``offload``, ``pin_memory``, ``unit_fqn``, ``_trains``, ``_view_at``), which
+it writes only through ``flat.grad``.
+
+[Note: parameters without a gradient]
+The flat gradient has zeros wherever a parameter got no gradient, so it
+cannot tell "no gradient" from "a zero gradient". Plain PyTorch and DDP
+(``find_unused_parameters=True``) leave ``p.grad`` None for a parameter that
+no rank produced a gradient for (Adam/AdamW would otherwise still move it:
+momentum, weight decay), and ranks must agree on it (optimizer state, and
+every later collective, depend on it). So:
+
+- each group notes, per entry, whether this rank produced a gradient: a
+  pre-hook on each split node sees None for every view that got none
+  (``_before_split_backward``), OR-ed over the unit's uses and over the
+  microbatches the flat gradient sums (``set_requires_gradient_sync(False)``);
+- the flags travel with the reduction, so every rank learns whether any
+  rank produced each gradient, whatever its own graph was: in a bucket, and
+  for a flat gradient up to ``INLINE_FLAGS_BYTES``, as E more columns after
+  the group's chunk in the rank-major reduce-scatter input (the same on
+  every rank), so its output is the gradient shard then the flags' rank
+  average (``_launch_inline``: one copy of the flat gradient); a larger
+  group sends them in a tiny all-reduce (SUM, one fp32 per entry) right
+  after its reduce-scatter on the same process group. With HSDP they are
+  added into the partial sum and all-reduced over the replicas with the
+  gradient (inline: in the same collective);
+- folding: an entry no rank produced a gradient for, whose ``p.grad`` is
+  None, keeps None; an entry whose sharded Parameter does not require grad
+  (``requires_grad_(False)`` after fully_shard) is never touched; every other
+  entry gets the rank average, as before.
+A rank that produced every gradient does not read the counts (all >= 1):
+on CUDA that read would be a device-to-host copy.
+
+[Note: empty pieces] Where this rank holds none of a parameter that other
+ranks hold (``ParamEntry.held_elsewhere``: a row piece of 0 rows, or a
+tensor-layout parameter owned by another rank), ``p.grad`` stays None: the
+optimizer skips the parameter here, as it skips any parameter without a
+gradient, and keeps no state for it on this rank. An empty gradient would
+make optimizers that normalise by the element count divide by zero
+(torch.optim.Adafactor) and run matrix code on empty matrices (Muon).
+
+The gradient shard is held only by the p.grad views (through their
+``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives
+from ._common import label
+from ._streams import Pending, StreamManager
+
+# A flat gradient up to this size carries its used-flags in its own
+# reduce-scatter (one copy, into a buffer with E more columns); a larger one
+# sends them in a tiny all-reduce of their own, where that copy would cost
+# more than the collective's latency (see [Note: parameters without a gradient]).
+INLINE_FLAGS_BYTES = 256 << 10
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
+    """(pre, post) divisors for a SUM reduction over ``total`` ranks, or (None, None) for AVG.
+
+    In fp16/bf16, summing W gradients then dividing can overflow (fp16) or lose
+    the small ones; dividing by f before and W/f after (f a power of two near
+    sqrt(W): exact scaling) keeps the partial sums in range.
+    """
+    if reduce_dtype not in _LOW_PRECISION or total == 1:
+        return None, None
+    f = 1
+    while total % (2 * f) == 0 and (2 * f) * (2 * f) <= total:
+        f *= 2
+    return float(f), total / f
+
+
+@dataclass(frozen=True)
+class TakenGrad:
+    """A flat gradient taken for one reduction (``GradientPath.take_grad``)."""
+
+    flat_grad: torch.Tensor   # padded_numel, in the reduce dtype, pre-divided
+    used: list[bool]          # per entry: this rank produced a gradient (then reset)
+    pre: float | None         # divided by before a SUM; None: the reduction is an AVG
+    post: float | None        # to divide by after the SUM (see _divide_factors)
+
+    @property
+    def op(self) -> dist.ReduceOp:
+        return dist.ReduceOp.AVG if self.pre is None else dist.ReduceOp.SUM
+
+
+@dataclass
+class _GradLaunch:
+    """A reduce-scatter in flight, and how to fold its output into p.grad."""
+
+    group: GradientPath
+    streams: StreamManager
+    pending: Pending | None  # wait() gives the reduced output
+    used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
+    post_divide: float | None = None
+    span: tuple[int, int] | None = None  # this group's part of a bucket's output
+    done: bool = field(default=False)
+    folded: bool = field(default=False)
+
+    def fold(self, out: torch.Tensor) -> None:
+        self.folded = True
+        if self.span is not None:
+            out = out[self.span[0]:self.span[1]]
+        self.group._finish_reduce(out, self.used, self.post_divide, self.streams)
+
+    def finish(self) -> None:
+        if not self.done:
+            out = self.pending.wait()
+            self.done = True
+            if not self.folded:
+                self.fold(out)
+            self.used.release()
+
+
+def _fold_all(launches: list[_GradLaunch]):
+    """The post-reduce of a reduce-scatter shared by ``launches``: on CUDA the
+    stream manager runs it at once on a side stream (see [Note: post-reduce]
+    in _streams.py); on gloo each launch folds at ``finish``."""
+    def fold(out: torch.Tensor) -> None:
+        for launch in launches:
+            launch.fold(out)
+    return fold
+
+
+class _UsedFlags:
+    """Per entry of one group: whether this rank produced a gradient
+    (``local``), and what the reduction made of the flags: the E elements
+    after the gradient shard in the reduce-scatter output (``inline``), or
+    ``counts``, all-reduced by ``pending`` (None at world size 1)."""
+
+    def __init__(self, local: list[bool], inline: bool = False, pending: Pending | None = None,
+                 counts: torch.Tensor | None = None):
+        self.local, self.inline, self._pending, self.counts = local, inline, pending, counts
+
+    def wait(self) -> None:
+        """Order the caller (the post-reduce: on CUDA a side stream) after the
+        flags' all-reduce."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def release(self) -> None:
+        """The compute stream waits too, then the flags' buffer may go (see
+        [Note: side streams] in _streams.py: every collective is waited by the
+        stream that allocated its tensors)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def any_rank(self, trains) -> list[bool] | None:
+        """Per entry: did any rank produce a gradient (> 0: a sum or an
+        average); None: every entry that ``trains`` did here, nothing to read."""
+        if all(u or not t for u, t in zip(self.local, trains)):
+            return None
+        if self.counts is None:
+            return self.local
+        return [c > 0 for c in self.counts.tolist()]
+
+
+def _flags_tensor(flags: list[bool], device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    t = torch.tensor(flags, dtype=dtype)
+    if device.type == "cuda":  # no sync: from pinned memory, on the current stream
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class GradientPath:
+    """The gradient half of ``FlatGroup`` (see the module docstring)."""
+
+    def _init_grad_state(self) -> None:
+        self.requires_all_reduce = True   # HSDP: False keeps a partial sum, no all-reduce
+        self._used = [False] * len(self.entries)  # see [Note: parameters without a gradient]
+        self._flags_row: tuple | None = None  # (flags, their tensor): read-only, reused
+        # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
+        self.on_grads_computed = None
+        self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
+        self._partial: tuple | None = None  # HSDP: (reduce-scattered, flags), not all-reduced
+
+    def _move_grad_state(self, flat_grad: torch.Tensor | None) -> None:
+        """After ``adopt_params`` re-made the storage: what a backward left
+        (``flat_grad``: the old flat's gradient) follows the new device and
+        dtypes, as ``_apply`` casts ``p.grad``."""
+        if flat_grad is not None and self.flat.requires_grad:
+            self.flat.grad = flat_grad.to(self.device, self.compute_dtype)
+        if self._unsynced is not None:
+            self._unsynced = self._unsynced.to(self.device, self.reduce_dtype)
+        if self._partial is not None:  # (HSDP: the sum and its used-flags)
+            p_out, p_used = self._partial
+            if p_used.counts is not None:
+                p_used.counts = p_used.counts.to(self.device)
+            self._partial = (p_out.to(self.device, self.reduce_dtype), p_used)
+
+    def _before_split_backward(self, grad_outputs) -> None:
+        """The split node's pre-hook: note which views got a gradient (None:
+        none, see [Note: parameters without a gradient]), then tell the unit
+        (see [Note: gloo backward] in _unit.py)."""
+        used = self._used
+        for k, i in enumerate(self._view_at):
+            if grad_outputs[i] is not None:
+                used[k] = True
+        if self.on_grads_computed is not None:
+            self.on_grads_computed(grad_outputs)
+
+    def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
+        """``buf`` becomes the gradient shard of the entries in ``take`` (not
+        of an empty piece held elsewhere, see [Note: empty pieces])."""
+        for e, t in zip(self.entries, take):
+            if t and not e.held_elsewhere():
+                e.sharded.grad = e.piece(buf)
+
+    def stash_unsynced_grad(self) -> None:
+        """No gradient sync this backward: keep the flat gradient for the next.
+
+        In the compute dtype autograd accumulates into ``flat.grad`` in place;
+        when the reduce dtype is wider (bf16 compute, fp32 reduce) the sum is
+        kept in the reduce dtype instead, as torch FSDP2 does.
+        """
+        g = self.flat.grad
+        if g is None or g.dtype == self.reduce_dtype:
+            return
+        self.flat.grad = None
+        if self._unsynced is None:
+            self._unsynced = g.to(self.reduce_dtype)
+        else:
+            self._unsynced.add_(g)
+
+    def drop_grad(self) -> None:
+        """Forget the flat gradient and flags of a backward that raised midway."""
+        self.flat.grad = None
+        self._unsynced = None
+        self._used = [False] * len(self.entries)
+
+    def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
+        """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
+        inline = self.padded_numel * self.reduce_dtype.itemsize <= INLINE_FLAGS_BYTES
+        if self.world > 1 and inline:
+            return _launch_inline([self], streams)[0]
+        taken = self.take_grad()
+        used, post = taken.used, taken.post
+        if self.world == 1:  # the flat gradient is the gradient shard
+            if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
+                out = torch.cat([taken.flat_grad, self.flags_row(used)])
+                return _GradLaunch(self, streams, streams.ready(out),
+                                   _UsedFlags(used, inline=True), post)
+            return _GradLaunch(self, streams, streams.ready(taken.flat_grad), _UsedFlags(used),
+                               post)
+        counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
+        # The flags' all-reduce is issued first: on CUDA the post-reduce (the
+        # fold, which reads them) runs as soon as the reduce-scatter is issued.
+        with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
+            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+        launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
+                             post)
+        launch.pending = streams.reduce_scatter(taken.flat_grad, self.rs_pg, taken.op,
+                                                _fold_all([launch]), self.replicate_pg is not None)
+        return launch
+
+    def bucket_key(self) -> tuple:
+        """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
+        return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas)
+
+    def flags_row(self, used: list[bool]) -> torch.Tensor:
+        """``used`` as a tensor in the reduce dtype on the device, to be copied
+        (the same flags step after step: made once)."""
+        key = (tuple(used), self.device, self.reduce_dtype)  # (a model moved or cast)
+        if self._flags_row is None or self._flags_row[0] != key:
+            self._flags_row = (key, _flags_tensor(used, self.device, self.reduce_dtype))
+        return self._flags_row[1]
+
+    def take_grad(self) -> TakenGrad:
+        """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
+        microbatches added, pre-divided; with this rank's used-flags (reset)."""
+        flat_grad = self.flat.grad
+        self.flat.grad = None
+        if flat_grad is None:
+            flat_grad = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        elif flat_grad.dtype != self.reduce_dtype:
+            flat_grad = flat_grad.to(self.reduce_dtype)
+        if self._unsynced is not None:
+            flat_grad = flat_grad.add_(self._unsynced)
+            self._unsynced = None
+        used, self._used = self._used, [False] * len(self.entries)
+        pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
+        if pre is not None:
+            flat_grad.div_(pre)
+        return TakenGrad(flat_grad, used, pre, post)
+
+    def _split_flags(self, out: torch.Tensor, used: _UsedFlags):
+        """(gradient shard, flag sums): views into ``out`` when the flags came
+        inline, else ``used.counts``."""
+        if used.inline:
+            return out[:self.shard_numel], out[self.shard_numel:]
+        if used.counts is None:  # (shard world size 1: the flags are local)
+            used.counts = _flags_tensor(used.local, self.device)
+        return out, used.counts
+
+    def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
+                       streams: StreamManager) -> None:
+        """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py)."""
+        used.wait()
+        if self.replicate_pg is not None:  # HSDP: then across the replicas
+            grad, counts = self._split_flags(out, used)
+            if self._partial is not None:  # (its gradient and flags are added alike)
+                p_out, p_used = self._partial
+                p_grad, p_counts = self._split_flags(p_out, p_used)
+                grad.add_(p_grad)
+                counts.add_(p_counts.to(counts.dtype))
+                used.local = [a or b for a, b in zip(used.local, p_used.local)]
+                streams.hold(p_out)
+                streams.hold(p_counts)
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
+                return
+            op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
+            _collectives.all_reduce(out, op, self.replicate_pg)  # (inline: the flags too)
+            if not used.inline:
+                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg)
+        if used.inline:
+            out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
+        if post is not None:
+            out.div_(post)
+        if self.offload:  # device-to-host, folded once the copy has landed
+            host = streams.to_host(out, self.dtype, self.pin_memory)
+            if used.counts is not None:  # (read by the fold, after the copy)
+                used.counts = streams.to_host(used.counts, used.counts.dtype, self.pin_memory)
+            # p.grad is read then: an earlier fold of this group may be waiting too
+            streams.on_host(lambda: self._fold_grad(host, used.any_rank(self._trains)))
+            return
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
+        self._fold_grad(out, used.any_rank(self._trains))
+
+    def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
+        """Add this reduction into p.grad, see [Note: parameters without a gradient].
+        ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
+        with torch.no_grad():
+            entries = self.entries
+            if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
+                take = [t and (any_rank is None or any_rank[k])
+                        for k, t in enumerate(self._trains)]
+                self._adopt_grad_shard(out, take)
+                return
+            # accumulation without zero_grad, a partial zero_grad (an optimizer
+            # over part of the unit), p.grad set by the user: one by one
+            for k, e in enumerate(entries):
+                if not self._trains[k]:
+                    continue  # frozen: backward leaves p.grad alone
+                g = e.sharded.grad
+                piece = e.piece(out)
+                if g is not None:
+                    g.add_(piece.view_as(g))
+                elif (any_rank is None or any_rank[k]) and not e.held_elsewhere():
+                    e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
+
+
+def launch_bucket(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+    """ONE reduce-scatter for several groups with the same ``bucket_key()``.
+
+    For many small units, where a collective's latency dominates its bytes:
+    one collective instead of one per unit, for one copy (``_launch_inline``).
+    """
+    first = groups[0]
+    if first.world == 1 or len(groups) == 1:  # nothing to merge
+        return [g.launch_reduce_scatter(streams) for g in groups]
+    return _launch_inline(groups, streams)
+
+
+def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+    """Reduce-scatter the groups' flat gradients with their used-flags inline.
+
+    The input is rank-major: for each rank r, every group's chunk r followed
+    by its E flags (the same in every chunk), in turn: one ``cat`` of the flat
+    gradients viewed as (W, S_i) and the flags as (W, E_i). The output is, for
+    every group, its gradient shard then the rank average of its flags (> 0
+    where any rank produced the gradient), end to end; each group adopts its
+    slice (a view).
+    """
+    first = groups[0]
+    taken = [g.take_grad() for g in groups]
+    W = first.world
+    cols = []
+    for g, t in zip(groups, taken):
+        cols.append(t.flat_grad.view(W, g.shard_numel))
+        cols.append(g.flags_row(t.used).expand(W, len(t.used)))
+    flat = torch.cat(cols, dim=1)
+    launches, at = [], 0
+    for g, t in zip(groups, taken):
+        n = g.shard_numel + len(t.used)
+        launches.append(_GradLaunch(g, streams, None, _UsedFlags(t.used, inline=True), t.post,
+                                    (at, at + n)))
+        at += n
+    pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, taken[0].op, _fold_all(launches),
+                                     first.replicate_pg is not None)  # waited once, shared
+    for launch in launches:
+        launch.pending = pending
+    return launches

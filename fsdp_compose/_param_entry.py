@@ -1,0 +1,95 @@
+"""One original parameter inside a flat group: where its rows are, and the
+tensors that show it (the sharded Parameter, the full-shape view).
+
+``make_entries`` reads a group's layout (_layout.py, [Note: shard layout])
+for one rank; ``ParamEntry.piece`` cuts a parameter's piece out of any
+shard-sized buffer (the shard, the gradient shard). FSDP2's ``FSDPParam``
+holds the same facts, and also moves the data; here the flat group does
+(_flat_group.py), for all its entries at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ._layout import Layout
+
+
+class TPSpec(NamedTuple):
+    """How a tensor-parallel (DTensor) parameter is re-exposed while unsharded."""
+
+    mesh: object          # the DTensor's DeviceMesh (e.g. mesh["tp"])
+    placements: tuple
+    shape: torch.Size     # its global shape
+    stride: tuple
+
+
+@dataclass
+class ParamEntry:
+    """One unique original parameter inside a flat group."""
+
+    fqn: str                        # name relative to the outermost fully_shard'd module
+    shape: torch.Size
+    offset: int                     # start in the unsharded flat buffer (contiguous there)
+    slots: list                     # [(module, attr_name)] that hold this parameter
+    rows: tuple[int, int]           # the dim-0 rows this rank holds ((0, 0): none)
+    local_range: tuple[int, int]    # the same, as a slice of param.flatten()
+    shard_range: tuple[int, int]    # the same elements' place in the local shard
+    whole: bool                     # this rank's piece is all of it (see holds_whole)
+    sharded: nn.Parameter = None    # view of the local shard, shaped ``piece_shape``
+    unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
+    tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def piece_shape(self) -> torch.Size:
+        """``(rows_r, *shape[1:])``; a 0-d parameter's piece is 1-D (1 or 0
+        elements: a 0-d tensor cannot be empty), see docs/design.md."""
+        if not self.shape:
+            return torch.Size((self.local_range[1] - self.local_range[0],))
+        return torch.Size((self.rows[1] - self.rows[0],) + tuple(self.shape[1:]))
+
+    def piece(self, buf: torch.Tensor) -> torch.Tensor:
+        """Its part of a shard-sized ``buf``, shaped like ``sharded``."""
+        return buf[slice(*self.shard_range)].view(self.piece_shape)
+
+    def holds_whole(self) -> bool:
+        """This rank's piece is the whole parameter, or the group does not
+        shard (world size 1). Never for a DTensor parameter whose placements
+        are not all ``Replicate``: the flat group holds its local TP shard."""
+        return self.whole
+
+    def is_empty(self) -> bool:
+        """This rank's piece has 0 rows."""
+        return self.rows[1] == self.rows[0]
+
+    def held_elsewhere(self) -> bool:
+        """This rank holds none of it and another rank holds it: ``p.grad``
+        stays None here (see [Note: empty pieces])."""
+        return self.is_empty() and not self.whole
+
+
+def make_entries(params: list, locals_: list, layout: Layout, rank: int) -> list[ParamEntry]:
+    """This rank's ParamEntry of every parameter, from the group's layout."""
+    S = layout.chunk
+    entries = []
+    for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
+        a, b = layout.rows_on(i, rank)
+        k, off = layout.slots[i].row_numel, layout.offsets[i]
+        start = off + a * k - rank * S  # in the shard
+        tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+              if isinstance(p, DTensor) else None)
+        # (a DTensor that TP does not replicate is never whole here: its piece
+        # is at most its local TP shard)
+        whole = ((layout.world == 1 or b - a == layout.slots[i].rows)
+                 and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
+        entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
+                                  (start, start + (b - a) * k) if b > a else (0, 0), whole, tp=tp))
+    return entries

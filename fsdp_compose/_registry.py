@@ -1,0 +1,98 @@
+"""What fully_shard attaches to modules and Parameters, and the lookups from them.
+
+A leaf: it imports nothing of the package, so every module may read it at
+module level (see docs/architecture.md, "Imports"). Written by fully_shard
+(_fully_shard.py), by a cast or move after it (``FSDPModule._apply``,
+_fsdp_module.py) and by ``materialize``; read by the checkpoint, the
+optimizer check, clip and ``param_info``.
+
+- a sharded module's unit: ``module.__dict__["_fsdp_unit"]`` (``unit_of``);
+- every sharded Parameter we created -> (group, entry) (``SHARDED``);
+- every original Parameter we replaced -> the unit that owns it
+  (``REPLACED``, to catch ties across units, and an optimizer built before
+  fully_shard), and -> a weak reference to its entry (``ORIGINAL_ENTRY``,
+  to name it). A unit holds no original Parameter, so these maps hold no
+  key of their own either.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from ._unit import Unit
+
+_UNIT_ATTR = "_fsdp_unit"
+
+
+def unit_of(module: nn.Module) -> "Unit | None":
+    return module.__dict__.get(_UNIT_ATTR)
+
+
+def set_unit(module: nn.Module, unit: "Unit") -> None:
+    module.__dict__[_UNIT_ATTR] = unit
+
+
+def units_below(module: nn.Module) -> list[tuple[str, "Unit"]]:
+    """(FQN relative to ``module``, unit) of every unit in its subtree, in
+    module order; a list unit is named by all its modules."""
+    found: dict = {}
+    for name, m in module.named_modules():
+        u = unit_of(m)
+        if u is None:
+            continue
+        if u in found:  # a list unit: name it by all its modules
+            found[u] = f"{found[u]}, {name}"
+        else:
+            found[u] = name
+    return [(fqn, u) for u, fqn in found.items()]
+
+
+class ShardedParams:
+    """Every sharded Parameter we created -> (group, entry).
+
+    Weak both ways: a key is held only by its entry, so a value holding the
+    entry (or its group) strongly would keep the key, and with it the whole
+    model, alive for the life of the process. ``get`` gives None once the
+    model is gone.
+    """
+
+    def __init__(self):
+        self._refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __setitem__(self, param: nn.Parameter, hit: tuple) -> None:
+        g, e = hit
+        self._refs[param] = (weakref.ref(g), weakref.ref(e))
+
+    def get(self, param):
+        refs = self._refs.get(param)
+        if refs is None:
+            return None
+        g, e = refs[0](), refs[1]()
+        return None if g is None or e is None else (g, e)
+
+    def __contains__(self, param) -> bool:
+        return self.get(param) is not None
+
+    def __getitem__(self, param) -> tuple:
+        hit = self.get(param)
+        if hit is None:
+            raise KeyError("not a Parameter sharded by fully_shard (or its model is gone)")
+        return hit
+
+    def pop(self, param) -> None:
+        self._refs.pop(param, None)
+
+    def add_groups(self, groups) -> None:
+        """Register the sharded Parameters of ``groups`` (again, after they were re-made)."""
+        for g in groups:
+            for e in g.entries:
+                self[e.sharded] = (g, e)
+
+
+SHARDED = ShardedParams()
+REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()        # original -> its unit
+ORIGINAL_ENTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original -> weakref(entry)
