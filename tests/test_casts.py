@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, param_info,
                           record_schedule)
 
-from ._dist import run_distributed
+from ._support import Scenarios
 
 ROWS = 8  # global batch, divisible by every world size
 
@@ -368,23 +368,20 @@ SCENARIOS = [double_before_first_forward, double_with_grads_after_training, bf16
              cast_inside_a_unit, partial_list_unit]
 
 
-def _run_all(rank, world):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per scenario
-            out[fn.__name__] = [f"raised {type(e).__name__}: {e}"]
-    return out
+def _run_one(name, rank, world):
+    return {fn.__name__: fn for fn in SCENARIOS}[name](rank, world)
+
+
+_LAUNCHES = Scenarios(_run_one, timeout=240)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
-def results(request):
-    return request.param, run_distributed(_run_all, request.param, timeout=240)
+def world(request):
+    return request.param
 
 
 @pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
-def test_cast_after_fully_shard(results, scenario):
-    world, per_rank = results
-    problems = {r: res[scenario] for r, res in enumerate(per_rank) if res[scenario]}
+def test_cast_after_fully_shard(world, scenario):
+    per_rank = _LAUNCHES.results(world, scenario, [fn.__name__ for fn in SCENARIOS])
+    problems = {r: res for r, res in enumerate(per_rank) if res}
     assert not problems, f"world size {world}: {problems}"

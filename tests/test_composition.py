@@ -37,12 +37,6 @@ import copy
 import functools
 import importlib.util
 import math
-import os
-import pickle
-import shutil
-import tempfile
-import time
-import traceback
 from typing import Callable, Dict, List
 
 import expecttest
@@ -58,8 +52,8 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, record_schedule,
                           register_fsdp_forward_method, reset_comm_stats)
 
-from ._dist import DistributedError, run_distributed
 from ._pieces import expected_shape, local_piece
+from ._support import Scenarios
 from .test_api import per_unit_collectives
 
 WORLD_SIZES = (2, 4)
@@ -732,81 +726,22 @@ for _raf in (True, False):
 # ==========================================================================
 
 
-def _save(outdir, name, rank, payload) -> None:
-    with open(os.path.join(outdir, f"{_fname(name)}.rank{rank}"), "wb") as f:
-        pickle.dump(payload, f)
+def _run_one(name, rank, ws):
+    return CASES[name](rank, ws)
 
 
-def _worker(rank, ws, names, outdir):
-    for name in names:
-        try:
-            out = CASES[name](rank, ws)
-        except Exception:  # noqa: BLE001
-            _save(outdir, name, rank, ("err", time.time(), traceback.format_exc()))
-            raise
-        _save(outdir, name, rank, ("ok", out))
+def _import_hf() -> None:
+    if HAS_HF:
+        importlib.import_module("transformers")  # once here, inherited by forked ranks
 
 
-def _fname(name: str) -> str:
-    return name.replace("/", "__").replace("=", "_")
-
-
-def _load(path):
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except OSError:
-        return None
-
-
-def run_cases(ws: int, names: List[str]) -> Dict[str, tuple]:
-    """name -> ("ok", [per-rank result]) or ("err", text)."""
-    results: Dict[str, tuple] = {}
-    todo = list(names)
-    while todo:
-        outdir = tempfile.mkdtemp(prefix="fsdp_compose_")
-        try:
-            launch_err = None
-            try:
-                run_distributed(_worker, ws, todo, outdir, timeout=90 + 10 * len(todo))
-            except DistributedError as e:
-                launch_err = e
-            for i, name in enumerate(todo):
-                got = [_load(os.path.join(outdir, f"{_fname(name)}.rank{r}")) for r in range(ws)]
-                if all(g is not None and g[0] == "ok" for g in got):
-                    results[name] = ("ok", [g[1] for g in got])
-                    continue
-                errs = sorted((g[1], r, g[2]) for r, g in enumerate(got)
-                              if g is not None and g[0] == "err")
-                if errs:
-                    results[name] = ("err", f"case {name!r}, world size {ws}: rank {errs[0][1]} "
-                                            f"raised:\n{errs[0][2]}")
-                else:
-                    results[name] = ("err", f"case {name!r}, world size {ws}: launch failed:\n"
-                                            f"{launch_err}")
-                todo = todo[i + 1:]
-                break
-            else:
-                todo = []
-        finally:
-            shutil.rmtree(outdir, ignore_errors=True)
-    return results
-
-
-_CACHE: Dict[int, Dict[str, tuple]] = {}
+_LAUNCHES = Scenarios(_run_one, timeout=lambda n: 90 + 10 * n, before_launch=_import_hf)
 
 
 def results(ws: int, name: str) -> list:
     """Per-rank results of one case (its launch runs once per world size)."""
-    if ws not in _CACHE:
-        names = [n for n in CASES if ws in WS_OF[n] and (HAS_HF or not n.startswith("hf/"))]
-        if HAS_HF and any(n.startswith("hf/") for n in names):
-            importlib.import_module("transformers")  # once here, inherited by forked ranks
-        _CACHE[ws] = run_cases(ws, names)
-    status, val = _CACHE[ws][name]
-    if status != "ok":
-        pytest.fail(val, pytrace=False)
-    return val
+    names = [n for n in CASES if ws in WS_OF[n] and (HAS_HF or not n.startswith("hf/"))]
+    return _LAUNCHES.results(ws, name, names)
 
 
 def assert_no_problems(per_rank: list) -> None:

@@ -17,18 +17,17 @@
   in backward must follow the rank-independent orders) or not; 0-dim
   parameters (the flat path at world size 1).
 
-All scenarios of one world size share one launch; each is its own test. A
-scenario that raises reports the error as its problem.
+All scenarios of one world size share one launch (``_support.Scenarios``);
+each is its own test. A scenario that raises fails its test with the
+traceback of the rank that raised first, at once.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,8 +35,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _flat_group, fully_shard, param_info
 
-from ._dist import run_distributed
 from ._pieces import local_piece
+from ._support import Scenarios
 from .test_api import per_unit_collectives
 
 D = 6
@@ -414,27 +413,19 @@ def _scenarios(world: int) -> dict:
     return out
 
 
-def _run_all(rank, world):
-    results = {}
-    for name, fn in _scenarios(world).items():
-        try:
-            if isinstance(fn, tuple):  # HSDP: (replicate 2, shard world/2)
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
-                results[name] = fn[1](rank, world, mesh=mesh)
-            else:
-                results[name] = fn(rank, world)
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = [traceback.format_exc()]
-            dist.barrier()  # (a scenario that raised on every rank alike)
-    return results
+def _run_one(name, rank, world):
+    fn = _scenarios(world)[name]
+    if isinstance(fn, tuple):  # HSDP: (replicate 2, shard world/2)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        return fn[1](rank, world, mesh=mesh)
+    return fn(rank, world)
 
 
-@functools.lru_cache(maxsize=None)
-def _results(world: int):
-    return run_distributed(_run_all, world, timeout=240)
+_LAUNCHES = Scenarios(_run_one, timeout=240)
 
 
 @pytest.mark.parametrize("world,name", [(w, n) for w in (1, 2, 4) for n in _scenarios(w)])
 def test_gradient_semantics(world, name):
-    for rank, per_rank in enumerate(_results(world)):
-        assert per_rank[name] == [], f"rank {rank}: " + "\n".join(per_rank[name][:12])
+    per_rank = _LAUNCHES.results(world, name, list(_scenarios(world)))
+    for rank, problems in enumerate(per_rank):
+        assert problems == [], f"rank {rank}: " + "\n".join(problems[:12])

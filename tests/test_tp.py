@@ -12,11 +12,9 @@ norms, Rowwise embedding-like input, Colwise output head).
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -27,8 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from fsdp_compose import clip_grad_norm_, fully_shard, param_info
 from fsdp_compose._fully_shard import _SHARDED
 
-from ._dist import run_distributed
 from ._pieces import local_piece
+from ._support import Scenarios
 
 D, HEAD, T, IN, OUT = 8, 2, 4, 4, 2
 BATCH = 4   # global, split over dp
@@ -188,28 +186,16 @@ def _train(rank, world, dp, tp, sequence_parallel):
     return problems
 
 
-def _run_all(rank, world, layouts):
-    out = {}
-    for dp, tp, sp in layouts:
-        try:
-            out[(dp, tp, sp)] = _train(rank, world, dp, tp, sp)
-        except Exception as e:
-            import traceback
-            out[(dp, tp, sp)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
-        dist.barrier()
-    return out
+def _run_one(layout, rank, world):
+    return _train(rank, world, *layout)
 
 
 LAYOUTS = {4: ((2, 2, False), (2, 2, True)), 2: ((1, 2, False), (2, 1, False), (1, 2, True))}
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world):
-    return run_distributed(_run_all, world, LAYOUTS[world])
+_LAUNCHES = Scenarios(_run_one)
 
 
 @pytest.mark.parametrize("world,layout", [(w, lay) for w, lays in LAYOUTS.items() for lay in lays],
                          ids=lambda v: str(v))
 def test_tp_inside_units(world, layout):
-    for rank, per_rank in enumerate(_results(world)):
-        assert per_rank[layout] == [], f"rank {rank}: {per_rank[layout][:4]}"
+    for rank, problems in enumerate(_LAUNCHES.results(world, layout, LAYOUTS[world])):
+        assert problems == [], f"rank {rank}: {problems[:4]}"

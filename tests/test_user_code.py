@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import fsdp_compose
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 
-from ._dist import run_distributed
+from ._support import Scenarios
 
 ROWS = 8
 
@@ -308,23 +308,20 @@ def clip_arguments(rank, world):
 SCENARIOS = [pytree_outputs, forward_mode_ad, model_wide_ignored, clip_arguments]
 
 
-def _run_all(rank, world):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per scenario
-            out[fn.__name__] = [f"raised {type(e).__name__}: {e}"]
-    return out
+def _run_one(name, rank, world):
+    return {fn.__name__: fn for fn in SCENARIOS}[name](rank, world)
+
+
+_LAUNCHES = Scenarios(_run_one, timeout=240)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
-def results(request):
-    return request.param, run_distributed(_run_all, request.param, timeout=240)
+def world(request):
+    return request.param
 
 
 @pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
-def test_user_code(results, scenario):
-    world, per_rank = results
-    problems = {r: res[scenario] for r, res in enumerate(per_rank) if res[scenario]}
+def test_user_code(world, scenario):
+    per_rank = _LAUNCHES.results(world, scenario, [fn.__name__ for fn in SCENARIOS])
+    problems = {r: res for r, res in enumerate(per_rank) if res}
     assert not problems, f"world size {world}: {problems}"
