@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from ._dist import DistributedError, run_distributed
 from ._pieces import local_piece
 
-__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
+__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference", "raised",
            "Scenarios"]
 
 
@@ -192,6 +192,16 @@ def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
             if msg:
                 out.append(f"{tag} param {name}[{a}:{b}]: {msg}")
     return out
+
+
+def raised(fn: Callable[[], Any]) -> tuple:
+    """``(exception class name, message)`` of what ``fn()`` raises, or
+    ``("no error", "")``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller compares the messages
+        return type(e).__name__, str(e)
+    return "no error", ""
 
 
 # ==========================================================================

@@ -23,39 +23,17 @@ import torch.nn.functional as F
 from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, param_info,
                           record_schedule)
 
-from ._support import Scenarios
+from . import _support
+from ._support import Scenarios, shard
 
 ROWS = 8  # global batch, divisible by every world size
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
+class Net(_support.Net):
+    """2 blocks of width 6, 2 outputs."""
 
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, n: int = 2, d: int = 6):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
-        self.out = nn.Linear(d, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
-def shard(m: Net, **kw) -> Net:
-    for layer in m.layers:
-        fully_shard(layer, **kw)
-    return fully_shard(m, **kw)
+    def __init__(self):
+        super().__init__(out=2)
 
 
 def built(seed: int = 0, **kw) -> tuple[Net, Net]:

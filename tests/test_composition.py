@@ -53,8 +53,8 @@ from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, recor
                           register_fsdp_forward_method, reset_comm_stats)
 
 from ._pieces import expected_shape, local_piece
-from ._support import Scenarios
-from .test_api import per_unit_collectives
+from . import _support
+from ._support import Block, Scenarios, per_unit_collectives, shard
 
 WORLD_SIZES = (2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -69,39 +69,18 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 # ==========================================================================
 
 
-class Block(nn.Module):
-    """A residual MLP block. ``inner`` checkpoints the MLP *inside* the block's
-    forward (``"reentrant"`` / ``"nonreentrant"``): AC inside a unit."""
-
-    def __init__(self, d: int = 6, inner: str | None = None):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
-        self.inner = inner
-
-    def _mlp(self, x):
-        return self.lin2(torch.relu(self.lin1(x)))
-
-    def forward(self, x):
-        if self.inner is None:
-            return x + self._mlp(x)
-        return x + checkpoint(self._mlp, x, use_reentrant=self.inner == "reentrant")
-
-
 def _pair(x, a, b):
     return b(a(x))
 
 
-class Net(nn.Module):
+class Net(_support.Net):
     """``inp`` and ``out`` stay in the root unit; each block is a unit.
-    ``region`` checkpoints pairs of blocks (a region of two units)."""
+    ``inner`` checkpoints each block's MLP inside its forward (AC inside a
+    unit); ``region`` checkpoints pairs of blocks (a region of two units)."""
 
     def __init__(self, n: int = 4, d: int = 6, inner: str | None = None,
                  region: str | None = None):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList(Block(d, inner) for _ in range(n))
-        self.out = nn.Linear(d, 1)
+        super().__init__(n, d, inner=inner)
         self.region = region
 
     def forward(self, x):
@@ -482,9 +461,7 @@ def _generate(rank, ws):
     torch.manual_seed(0)
     model = GenNet()
     ref = copy.deepcopy(model)
-    for layer in model.layers:
-        fully_shard(layer)
-    per_unit_collectives(fully_shard(model))
+    per_unit_collectives(shard(model))
     register_fsdp_forward_method(model, "generate")
     p = Parity(rank, ws, model, ref, data=_gen_data, tag="generate")
     counts = {}
@@ -530,9 +507,7 @@ def _direct_call_first(rank, ws):
     torch.manual_seed(0)
     model = GenNet()
     ref = copy.deepcopy(model)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard(model)
     p = Parity(rank, ws, model, ref, data=_gen_data, tag="direct call first")
     h = torch.randn(5, 6, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():

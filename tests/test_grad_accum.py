@@ -17,7 +17,7 @@ from fsdp_compose import comm_stats, fully_shard, param_info, reset_comm_stats
 from ._pieces import piece_close
 
 from ._dist import run_distributed
-from .test_api import Block, per_unit_collectives
+from ._support import Block, per_unit_collectives
 
 MICRO = 4
 ROWS = 4  # per microbatch per rank

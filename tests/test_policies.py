@@ -20,13 +20,13 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedState, clip_grad_norm_,
                           comm_stats, fully_shard, param_info, reset_comm_stats)
 
 from ._pieces import local_piece
+from . import _support
 from ._support import Scenarios, per_unit_collectives
 
 D = 8
@@ -35,29 +35,11 @@ STEPS = 3
 MAX_NORM = 0.05  # small: clipping really scales
 
 
-class Block(nn.Module):
+class Net(_support.Net):
+    """3 blocks of width D, a LayerNorm (its own unit) before the output."""
+
     def __init__(self):
-        super().__init__()
-        self.lin1 = nn.Linear(D, 2 * D + 1)
-        self.lin2 = nn.Linear(2 * D + 1, D)
-
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(3, D)
-        self.layers = nn.ModuleList([Block() for _ in range(3)])
-        self.norm = nn.LayerNorm(D)
-        self.out = nn.Linear(D, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(self.norm(x))
+        super().__init__(3, D, norm=True)
 
 
 def _same_grad(p, q) -> bool:
