@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ._dist import DistributedError, run_distributed
+from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
 
-__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference", "raised",
-           "Scenarios"]
+__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
+           "compare_step", "raised", "Scenarios"]
 
 
 # ==========================================================================
@@ -194,6 +194,30 @@ def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
     return out
 
 
+def compare_step(model: nn.Module, ref: nn.Module, opt, ref_opt, tag: str = "", *,
+                 max_norm: Optional[float] = None, set_to_none: bool = True,
+                 **compare_kw) -> List[str]:
+    """One optimizer step of both, after both backwards, checked on both sides
+    of it: the gradients (:func:`compare_with_reference`); with ``max_norm``,
+    fsdp_compose's ``clip_grad_norm_`` against torch's on the reference (the
+    returned norms within 1e-5); ``opt.step()`` and ``ref_opt.step()``; the
+    parameters; then ``zero_grad(set_to_none)`` on both."""
+    problems = compare_with_reference(model, ref, tag, params=False, **compare_kw)
+    if max_norm is not None:
+        from fsdp_compose import clip_grad_norm_
+
+        norm = clip_grad_norm_(model.parameters(), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        if not torch.allclose(norm, ref_norm, rtol=1e-5):
+            problems.append(f"{tag} clip norm {norm.item()} vs {ref_norm.item()}")
+    opt.step()
+    ref_opt.step()
+    problems += compare_with_reference(model, ref, tag, grads=False, **compare_kw)
+    opt.zero_grad(set_to_none=set_to_none)
+    ref_opt.zero_grad(set_to_none=set_to_none)
+    return problems
+
+
 def raised(fn: Callable[[], Any]) -> tuple:
     """``(exception class name, message)`` of what ``fn()`` raises, or
     ``("no error", "")``."""
@@ -216,14 +240,6 @@ _INDUCED = ("Connection closed by peer", "Connection reset by peer", "Broken pip
 def _save(path: str, payload: Any) -> None:
     with open(path, "wb") as f:
         pickle.dump(payload, f)
-
-
-def _load(path: str):
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return None
 
 
 def _fname(outdir: str, i: int, rank: int) -> str:
@@ -278,7 +294,7 @@ def run_scenarios(ws: int, names: Sequence[str], run_one: Callable,
             except DistributedError as e:
                 launch_err = e
             for i, name in enumerate(todo):
-                got = [_load(_fname(outdir, i, r)) for r in range(ws)]
+                got = [_read(_fname(outdir, i, r)) for r in range(ws)]
                 if all(g is not None and g[0] == "ok" for g in got):
                     results[name] = ("ok", [g[1] for g in got])
                     continue

@@ -24,7 +24,7 @@ from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, par
                           record_schedule)
 
 from . import _support
-from ._support import Scenarios, shard
+from ._support import Scenarios, compare_with_reference, shard
 
 ROWS = 8  # global batch, divisible by every world size
 
@@ -58,30 +58,9 @@ def backward(model, ref, step, rank, world, dtype=torch.float32, ref_dtype=None)
 
 
 def compare(model, ref, what: str, tol: float = 1e-6, grads: bool = True) -> list[str]:
-    """Every sharded parameter (and gradient) against the same piece of the reference's."""
-    bad = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        a, b = param_info(p).local_range
-        pairs = [("param", p, r)] + ([("grad", p.grad, r.grad)] if grads else [])
-        for kind, got, want in pairs:
-            if kind == "grad" and got is None and a == b and want is not None:
-                continue  # this rank holds no rows: no gradient here (empty pieces)
-            if (got is None) != (want is None):
-                bad.append(f"{what}: {name} {kind} is None here, not in the reference or back")
-                continue
-            if got is None:
-                continue
-            want = want.detach().reshape(-1)[a:b]
-            got = got.detach().reshape(-1)
-            if got.dtype != want.dtype:
-                bad.append(f"{what}: {name} {kind} dtype {got.dtype}, reference {want.dtype}")
-            elif not torch.allclose(got.to(torch.float64), want.to(torch.float64), rtol=tol,
-                                    atol=tol):
-                bad.append(f"{what}: {name} {kind} differs by "
-                           f"{(got.double() - want.double()).abs().max().item():.3g}")
-    return bad
+    """Every sharded parameter (and gradient) against the same piece of the
+    reference's, dtypes included; ``tol`` relative and absolute."""
+    return compare_with_reference(model, ref, what, grads=grads, rtol=tol, atol=tol)
 
 
 def train(model, ref, steps, rank, world, dtype, tol, make_opt=None) -> list[str]:

@@ -52,9 +52,9 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, record_schedule,
                           register_fsdp_forward_method, reset_comm_stats)
 
-from ._pieces import expected_shape, local_piece
+from ._pieces import expected_shape
 from . import _support
-from ._support import Block, Scenarios, per_unit_collectives, shard
+from ._support import Block, Scenarios, compare_with_reference, per_unit_collectives, shard
 
 WORLD_SIZES = (2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -233,32 +233,9 @@ def all_sharded(model: nn.Module) -> List[str]:
 
 
 def compare_params(model, ref, tag: str, grads: bool, atol=ATOL) -> List[str]:
-    problems = []
-    theirs = dict(ref.named_parameters())
-    ours = list(model.named_parameters())
-    if [n for n, _ in ours] != list(theirs):
-        return [f"{tag}: parameter names differ: {[n for n, _ in ours]} vs {list(theirs)}"]
-    for name, p in ours:
-        r = theirs[name]
-        s, e = param_info(p).local_range
-        if tuple(p.shape) != expected_shape(r.shape, (s, e)):
-            problems.append(f"{tag}: {name} is not its row piece ({tuple(p.shape)}, [{s}:{e}])")
-            continue
-        if grads:
-            if r.grad is None or p.grad is None:
-                if s == e and p.grad is None:
-                    continue  # this rank holds none of it (docs/design.md: empty pieces)
-                if (r.grad is None) != (p.grad is None):
-                    ours_g = "None" if p.grad is None else "set"
-                    ref_g = "None" if r.grad is None else "set"
-                    problems.append(f"{tag}: grad of {name}: ours {ours_g}, reference {ref_g}")
-                continue
-            problems += _diff(f"{tag} grad {name}[{s}:{e}]", p.grad,
-                              local_piece(r.grad, (s, e)), atol=atol)
-        else:
-            problems += _diff(f"{tag} param {name}[{s}:{e}]", p.detach(),
-                              local_piece(r, (s, e)), atol=atol)
-    return problems
+    """The gradients (``grads``) or else the parameters against the reference's pieces."""
+    return compare_with_reference(model, ref, tag, grads=grads, params=not grads, rtol=RTOL,
+                                  atol=atol)
 
 
 def rank_mean(x: torch.Tensor, ws: int) -> float:

@@ -43,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._dist import DistributedError, run_distributed
-from ._pieces import expected_shape, local_piece
-from ._support import Scenarios
+from ._pieces import expected_shape
+from ._support import Scenarios, compare_with_reference
 
 WORLD_SIZES = (1, 2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -631,32 +631,12 @@ def _structure_checks(model, ref, units, impl, rank, ws) -> None:
 
 
 def _compare_params(model, ref, impl, step, grads: bool, ws: int) -> List[str]:
-    problems = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        _, _, (s, e) = impl.info(p)
-        if grads:
-            tag = f"step {step} grad {name}[{s}:{e}]"
-            if r.grad is None:
-                if p.grad is not None:
-                    problems.append(f"{tag}: reference has no grad, ours has one")
-                continue
-            if p.grad is None:
-                if e > s:
-                    problems.append(f"{tag}: grad is None, reference has one")
-                continue
-            ours, full = p.grad.detach(), r.grad
-        else:
-            tag = f"step {step} param {name}[{s}:{e}]"
-            ours, full = p.detach(), r
-        if impl.flat:
-            exp = local_piece(full, (s, e), ws)
-        else:
-            ours, exp = ours.reshape(-1), full.detach().reshape(-1)[s:e]
-        if not _close(ours, exp):
-            problems.append(_diff(tag, ours, exp))
-    return problems
+    """The gradients (``grads``) or else the parameters against the reference's
+    pieces (the mock holds whole parameters)."""
+    return compare_with_reference(
+        model, ref, f"step {step}", grads=grads, params=not grads, rtol=RTOL, atol=ATOL,
+        shard_world=ws, local_range=lambda p: impl.info(p)[2],
+        piece=None if impl.flat else (lambda full, p: full.detach()))
 
 
 def _check_scalar(tag, got: float, exp: float, problems: List[str], rtol=RTOL):

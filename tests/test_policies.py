@@ -27,7 +27,7 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedState, 
 
 from ._pieces import local_piece
 from . import _support
-from ._support import Scenarios, per_unit_collectives
+from ._support import Scenarios, compare_step, per_unit_collectives
 
 D = 8
 ROWS = 2      # per rank per microbatch
@@ -61,23 +61,6 @@ def _shard(model: Net, **kw) -> Net:
     return model
 
 
-def _compare(model, ref, problems, tag, shard_world, *, what="grad", rtol=1e-5, atol=1e-6):
-    refp = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        a, b = param_info(p).local_range
-        want = refp[name] if what == "param" else refp[name].grad
-        got = p if what == "param" else p.grad
-        want = local_piece(want, (a, b), shard_world)
-        if got is None and a == b and want.numel() == 0:
-            continue  # this rank holds none of it: p.grad stays None
-        if got is not None and got.shape != want.shape:
-            problems.append(f"{tag} {what} {name}: shape {tuple(got.shape)}, expected "
-                            f"{tuple(want.shape)}")
-        elif got is None or not torch.allclose(got.detach(), want, rtol=rtol, atol=atol):
-            diff = "None" if got is None else f"{(got - want).abs().max():.2e}"
-            problems.append(f"{tag} {what} {name}: {diff}")
-
-
 def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backward=None,
                  each_micro=None, after_forward=None, check_state=None, per_unit=False):
     """Train ours (global batch split over ranks) against one process."""
@@ -108,16 +91,8 @@ def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backw
         ref_loss = sum((ref(x[k].reshape(-1, 3)) - y[k].reshape(-1, 1)).pow(2).mean()
                        for k in range(micro)) / micro
         ref_loss.backward()
-        _compare(model, ref, problems, f"step {step}", shard_world)
-        norm = clip_grad_norm_(model.parameters(), MAX_NORM)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        if not torch.allclose(norm, ref_norm, rtol=1e-5):
-            problems.append(f"step {step} clip norm {norm.item()} vs {ref_norm.item()}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _compare(model, ref, problems, f"step {step}", shard_world, what="param")
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", max_norm=MAX_NORM,
+                                 rtol=1e-5, atol=1e-6, shard_world=shard_world)
     return problems, counts
 
 

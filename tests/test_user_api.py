@@ -21,8 +21,8 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm
 from fsdp_compose import _layout
 
 from ._dist import run_distributed
-from ._support import raised
-from .test_grad_semantics import FreezeNet, adamw, batch, grad_problems, param_problems, shard_units
+from ._support import compare_step, raised
+from .test_grad_semantics import FreezeNet, adamw, batch, shard_units
 
 
 # ------------------------------------------------------------ 9. memory release
@@ -150,12 +150,7 @@ def _unshard_in_backward(rank, world, per_unit, skip):
         s = comm_stats()
         counts.append((s.all_gather_calls, s.all_gather_bytes))
         (ddp(tok) - y).pow(2).mean().backward()
-        problems += grad_problems(model, ref, world, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ref, world, f"step {step}")
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", shard_world=world)
     return problems, counts
 
 

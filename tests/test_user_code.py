@@ -28,9 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_compose
-from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-from ._support import Scenarios
+from ._support import Scenarios, compare_with_reference, range_or_whole
 
 ROWS = 8
 
@@ -46,21 +46,9 @@ def mine(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def compare(model, ref, what: str, tol: float = 1e-5, grads: bool = True) -> list[str]:
-    bad = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        hit = fsdp_compose._fully_shard._SHARDED.get(p)
-        a, b = param_info(p).local_range if hit is not None else (0, p.numel())
-        for kind, got, want in [("param", p, r)] + ([("grad", p.grad, r.grad)] if grads else []):
-            if kind == "grad" and got is None and a == b and want is not None:
-                continue  # this rank holds no rows: no gradient here (empty pieces)
-            if (got is None) != (want is None):
-                bad.append(f"{what}: {name} {kind} None on one side only")
-            elif got is not None and not torch.allclose(
-                    got.detach().reshape(-1), want.detach().reshape(-1)[a:b], rtol=tol, atol=tol):
-                bad.append(f"{what}: {name} {kind} differs")
-    return bad
+    """As the reference; an ignored parameter (not sharded) whole."""
+    return compare_with_reference(model, ref, what, grads=grads, rtol=tol, atol=tol,
+                                  local_range=range_or_whole)
 
 
 def parity(model, ref, rank, world, steps=3, tol=1e-5) -> list[str]:
