@@ -37,7 +37,7 @@ from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
 
 __all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
-           "compare_step", "raised", "Scenarios"]
+           "compare_step", "raised", "Scenarios", "call_by_name"]
 
 
 # ==========================================================================
@@ -340,3 +340,18 @@ class Scenarios:
         if status != "ok":
             pytest.fail(val, pytrace=False)
         return val
+
+    def assert_no_problems(self, ws: int, name: str, names: Sequence[str],
+                           ignore: Callable[[str], bool] = lambda p: False) -> None:
+        """For a scenario that returns its problems (a list of lines): no rank
+        found any (but those ``ignore`` says are for information)."""
+        per_rank = self.results(ws, name, names)
+        bad = {r: [p for p in problems if not ignore(p)] for r, problems in enumerate(per_rank)}
+        lines = [f"rank {r}: {p}" for r, problems in bad.items() for p in problems[:12]]
+        assert not lines, f"{name!r}, world size {ws}:\n" + "\n".join(lines)
+
+
+def call_by_name(functions: Sequence[Callable], name: str, rank: int, ws: int):
+    """``Scenarios(functools.partial(call_by_name, FUNCTIONS))``: the scenarios
+    are functions ``fn(rank, world)``, named by their ``__name__``."""
+    return {fn.__name__: fn for fn in functions}[name](rank, ws)

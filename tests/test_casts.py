@@ -14,6 +14,7 @@ batch's gradient). A scenario returns the list of what differed.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, par
                           record_schedule)
 
 from . import _support
-from ._support import Scenarios, compare_with_reference, shard
+from ._support import Scenarios, call_by_name, compare_with_reference, shard
 
 ROWS = 8  # global batch, divisible by every world size
 
@@ -325,20 +326,11 @@ SCENARIOS = [double_before_first_forward, double_with_grads_after_training, bf16
              cast_inside_a_unit, partial_list_unit]
 
 
-def _run_one(name, rank, world):
-    return {fn.__name__: fn for fn in SCENARIOS}[name](rank, world)
+NAMES = [fn.__name__ for fn in SCENARIOS]
+_LAUNCHES = Scenarios(functools.partial(call_by_name, SCENARIOS), timeout=240)
 
 
-_LAUNCHES = Scenarios(_run_one, timeout=240)
-
-
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def world(request):
-    return request.param
-
-
-@pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
+@pytest.mark.parametrize("scenario", NAMES)
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_cast_after_fully_shard(world, scenario):
-    per_rank = _LAUNCHES.results(world, scenario, [fn.__name__ for fn in SCENARIOS])
-    problems = {r: res for r, res in enumerate(per_rank) if res}
-    assert not problems, f"world size {world}: {problems}"
+    _LAUNCHES.assert_no_problems(world, scenario, NAMES)

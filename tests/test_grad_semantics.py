@@ -381,6 +381,4 @@ _LAUNCHES = Scenarios(_run_one, timeout=240)
 
 @pytest.mark.parametrize("world,name", [(w, n) for w in (1, 2, 4) for n in _scenarios(w)])
 def test_gradient_semantics(world, name):
-    per_rank = _LAUNCHES.results(world, name, list(_scenarios(world)))
-    for rank, problems in enumerate(per_rank):
-        assert problems == [], f"rank {rank}: " + "\n".join(problems[:12])
+    _LAUNCHES.assert_no_problems(world, name, list(_scenarios(world)))

@@ -453,7 +453,5 @@ CASES = [(world, name) for world in (1, 2, 4) for name in SCENARIOS
 
 @pytest.mark.parametrize("world,name", CASES)
 def test_policy(world, name):
-    per_rank = _LAUNCHES.results(world, name, [n for w, n in CASES if w == world])
-    for rank, problems in enumerate(per_rank):
-        problems = [p for p in problems if not p.startswith("(info)")]
-        assert problems == [], f"rank {rank}: {problems[:5]}"
+    _LAUNCHES.assert_no_problems(world, name, [n for w, n in CASES if w == world],
+                                 ignore=lambda p: p.startswith("(info)"))

@@ -174,5 +174,4 @@ _LAUNCHES = Scenarios(_run_one)
 @pytest.mark.parametrize("world,layout", [(w, lay) for w, lays in LAYOUTS.items() for lay in lays],
                          ids=lambda v: str(v))
 def test_tp_inside_units(world, layout):
-    for rank, problems in enumerate(_LAUNCHES.results(world, layout, LAYOUTS[world])):
-        assert problems == [], f"rank {rank}: {problems[:4]}"
+    _LAUNCHES.assert_no_problems(world, layout, LAYOUTS[world])

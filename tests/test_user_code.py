@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
 from typing import NamedTuple
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 import fsdp_compose
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-from ._support import Scenarios, compare_with_reference, range_or_whole
+from ._support import Scenarios, call_by_name, compare_with_reference, range_or_whole
 
 ROWS = 8
 
@@ -296,20 +297,11 @@ def clip_arguments(rank, world):
 SCENARIOS = [pytree_outputs, forward_mode_ad, model_wide_ignored, clip_arguments]
 
 
-def _run_one(name, rank, world):
-    return {fn.__name__: fn for fn in SCENARIOS}[name](rank, world)
+NAMES = [fn.__name__ for fn in SCENARIOS]
+_LAUNCHES = Scenarios(functools.partial(call_by_name, SCENARIOS), timeout=240)
 
 
-_LAUNCHES = Scenarios(_run_one, timeout=240)
-
-
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def world(request):
-    return request.param
-
-
-@pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
+@pytest.mark.parametrize("scenario", NAMES)
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_user_code(world, scenario):
-    per_rank = _LAUNCHES.results(world, scenario, [fn.__name__ for fn in SCENARIOS])
-    problems = {r: res for r, res in enumerate(per_rank) if res}
-    assert not problems, f"world size {world}: {problems}"
+    _LAUNCHES.assert_no_problems(world, scenario, NAMES)
