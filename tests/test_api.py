@@ -17,51 +17,8 @@ import fsdp_compose
 from fsdp_compose import FSDPModule, comm_stats, fully_shard, param_info, reset_comm_stats
 
 from ._dist import run_distributed
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
-
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, n: int = 2, d: int = 6):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
-        self.out = nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
-def shard(model: Net, **kw) -> Net:
-    for layer in model.layers:
-        fully_shard(layer, **kw)
-    return fully_shard(model)
-
-
-def per_unit_collectives(model: FSDPModule) -> FSDPModule:
-    # Buckets off: these tests assert per-unit counts/schedules; buckets are tested separately.
-    model.set_all_gather_bucket_bytes(0)
-    model.set_reduce_scatter_bucket_bytes(0)
-    return model
-
-
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
-    return "no error", ""
+# (test_streams imports Net and per_unit_collectives from here)
+from ._support import Block, Net, per_unit_collectives, raised, shard
 
 
 # --------------------------------------------------------------------- errors
@@ -70,10 +27,10 @@ def _errors(rank, world):
 
     m = Net()
     fully_shard(m.layers[0])
-    out["twice"] = _error(lambda: fully_shard(m.layers[0]))
+    out["twice"] = raised(lambda: fully_shard(m.layers[0]))
     fully_shard(m.layers[1])
     fully_shard(m)  # now every unit has its FQN
-    out["twice_named"] = _error(lambda: fully_shard(m.layers[1]))
+    out["twice_named"] = raised(lambda: fully_shard(m.layers[1]))
 
     class Tied(nn.Module):
         def __init__(self):
@@ -87,53 +44,53 @@ def _errors(rank, world):
 
     t = Tied()
     fully_shard(t.embed)
-    out["tied_across_units"] = _error(lambda: fully_shard(t.head))
+    out["tied_across_units"] = raised(lambda: fully_shard(t.head))
 
     with torch.device("meta"):
         meta = Net()
     shard(meta)
-    out["meta"] = _error(lambda: meta(torch.randn(2, 3)))
+    out["meta"] = raised(lambda: meta(torch.randn(2, 3)))
 
     mesh3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("a", "rep", "shard"))
-    out["mesh_3d"] = _error(lambda: fully_shard(Net(), mesh=mesh3d))
-    out["raf_not_divisor"] = _error(lambda: fully_shard(Net(), reshard_after_forward=world + 1))
-    out["mp_policy_type"] = _error(lambda: fully_shard(Net(), mp_policy=torch.bfloat16))
-    out["mp_policy_int_dtype"] = _error(
+    out["mesh_3d"] = raised(lambda: fully_shard(Net(), mesh=mesh3d))
+    out["raf_not_divisor"] = raised(lambda: fully_shard(Net(), reshard_after_forward=world + 1))
+    out["mp_policy_type"] = raised(lambda: fully_shard(Net(), mp_policy=torch.bfloat16))
+    out["mp_policy_int_dtype"] = raised(
         lambda: fully_shard(Net(), mp_policy=fsdp_compose.MixedPrecisionPolicy(param_dtype=torch.int8)))
-    out["offload_type"] = _error(lambda: fully_shard(Net(), offload_policy=True))
+    out["offload_type"] = raised(lambda: fully_shard(Net(), offload_policy=True))
 
     # (a Parameter of another module is fine: one model-wide set may go to every call)
-    out["ignored_not_param"] = _error(lambda: fully_shard(Net(), ignored_params=[torch.zeros(3)]))
-    out["mesh_type"] = _error(lambda: fully_shard(Net(), mesh="dp"))
+    out["ignored_not_param"] = raised(lambda: fully_shard(Net(), ignored_params=[torch.zeros(3)]))
+    out["mesh_type"] = raised(lambda: fully_shard(Net(), mesh="dp"))
 
-    out["module_list"] = _error(lambda: fully_shard(Net().layers))
+    out["module_list"] = raised(lambda: fully_shard(Net().layers))
 
     moved = shard(Net())
     moved.layers[0].lin1.to(torch.float64)  # a module inside a unit: its shard is not cast
-    out["moved_after"] = _error(lambda: moved(torch.randn(2, 3)))
+    out["moved_after"] = raised(lambda: moved(torch.randn(2, 3)))
 
-    out["param_info_plain"] = _error(lambda: param_info(nn.Parameter(torch.zeros(2))))
+    out["param_info_plain"] = raised(lambda: param_info(nn.Parameter(torch.zeros(2))))
 
     knobs = shard(Net())
-    out["prefetch_depth_negative"] = _error(lambda: knobs.layers[0].set_prefetch_depth(-1))
-    out["bucket_negative"] = _error(lambda: knobs.layers[0].set_reduce_scatter_bucket_bytes(-1))
-    out["gather_bucket_negative"] = _error(lambda: knobs.set_all_gather_bucket_bytes(-1))
-    out["gather_bucket_float"] = _error(lambda: knobs.set_all_gather_bucket_bytes(1.5))
-    out["gather_bucket_bool"] = _error(lambda: knobs.set_all_gather_bucket_bytes(True))
-    out["bucket_bool"] = _error(lambda: knobs.set_reduce_scatter_bucket_bytes(True))
-    out["prefetch_not_sharded"] = _error(
+    out["prefetch_depth_negative"] = raised(lambda: knobs.layers[0].set_prefetch_depth(-1))
+    out["bucket_negative"] = raised(lambda: knobs.layers[0].set_reduce_scatter_bucket_bytes(-1))
+    out["gather_bucket_negative"] = raised(lambda: knobs.set_all_gather_bucket_bytes(-1))
+    out["gather_bucket_float"] = raised(lambda: knobs.set_all_gather_bucket_bytes(1.5))
+    out["gather_bucket_bool"] = raised(lambda: knobs.set_all_gather_bucket_bytes(True))
+    out["bucket_bool"] = raised(lambda: knobs.set_reduce_scatter_bucket_bytes(True))
+    out["prefetch_not_sharded"] = raised(
         lambda: knobs.layers[0].set_modules_to_forward_prefetch([knobs.inp]))
-    out["deepcopy"] = _error(lambda: copy.deepcopy(knobs))
-    out["forward_method_missing"] = _error(
+    out["deepcopy"] = raised(lambda: copy.deepcopy(knobs))
+    out["forward_method_missing"] = raised(
         lambda: fsdp_compose.register_fsdp_forward_method(knobs.layers[1], "generate"))
 
     # a root-only setting on another unit: never silently ignored
     early = shard(Net())
     early.layers[1].set_prefetch_depth(2)  # the root is not known yet: checked at lazy init
-    out["root_setting_before_init"] = _error(lambda: early(torch.randn(2, 3)))
+    out["root_setting_before_init"] = raised(lambda: early(torch.randn(2, 3)))
     late = shard(Net())
     late(torch.randn(2, 3)).sum().backward()
-    out["root_setting_after_init"] = _error(lambda: late.layers[0].set_is_last_backward(False))
+    out["root_setting_after_init"] = raised(lambda: late.layers[0].set_is_last_backward(False))
     late.set_is_last_backward(True)  # on the root: fine
     # No collective above: without this, a rank can finish and take the store
     # down while another still creates its (single-rank) mesh groups through it.
@@ -268,7 +225,7 @@ def test_local_pieces_partition_the_model(semantics):
 # --------------------------------------------------------- collective counts
 def _counts(rank, world, raf, switch_to=None, per_unit=True):
     torch.manual_seed(0)
-    m = shard(Net(n=4), reshard_after_forward=raf)
+    m = shard(Net(n=4), root={}, reshard_after_forward=raf)  # the root: the default
     if per_unit:
         per_unit_collectives(m)
     if switch_to is not None:

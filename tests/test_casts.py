@@ -14,6 +14,7 @@ batch's gradient). A scenario returns the list of what differed.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,39 +24,17 @@ import torch.nn.functional as F
 from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, param_info,
                           record_schedule)
 
-from ._dist import run_distributed
+from . import _support
+from ._support import Scenarios, call_by_name, compare_with_reference, shard
 
 ROWS = 8  # global batch, divisible by every world size
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
+class Net(_support.Net):
+    """2 blocks of width 6, 2 outputs."""
 
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, n: int = 2, d: int = 6):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
-        self.out = nn.Linear(d, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
-
-
-def shard(m: Net, **kw) -> Net:
-    for layer in m.layers:
-        fully_shard(layer, **kw)
-    return fully_shard(m, **kw)
+    def __init__(self):
+        super().__init__(out=2)
 
 
 def built(seed: int = 0, **kw) -> tuple[Net, Net]:
@@ -80,30 +59,9 @@ def backward(model, ref, step, rank, world, dtype=torch.float32, ref_dtype=None)
 
 
 def compare(model, ref, what: str, tol: float = 1e-6, grads: bool = True) -> list[str]:
-    """Every sharded parameter (and gradient) against the same piece of the reference's."""
-    bad = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        a, b = param_info(p).local_range
-        pairs = [("param", p, r)] + ([("grad", p.grad, r.grad)] if grads else [])
-        for kind, got, want in pairs:
-            if kind == "grad" and got is None and a == b and want is not None:
-                continue  # this rank holds no rows: no gradient here (empty pieces)
-            if (got is None) != (want is None):
-                bad.append(f"{what}: {name} {kind} is None here, not in the reference or back")
-                continue
-            if got is None:
-                continue
-            want = want.detach().reshape(-1)[a:b]
-            got = got.detach().reshape(-1)
-            if got.dtype != want.dtype:
-                bad.append(f"{what}: {name} {kind} dtype {got.dtype}, reference {want.dtype}")
-            elif not torch.allclose(got.to(torch.float64), want.to(torch.float64), rtol=tol,
-                                    atol=tol):
-                bad.append(f"{what}: {name} {kind} differs by "
-                           f"{(got.double() - want.double()).abs().max().item():.3g}")
-    return bad
+    """Every sharded parameter (and gradient) against the same piece of the
+    reference's, dtypes included; ``tol`` relative and absolute."""
+    return compare_with_reference(model, ref, what, grads=grads, rtol=tol, atol=tol)
 
 
 def train(model, ref, steps, rank, world, dtype, tol, make_opt=None) -> list[str]:
@@ -368,23 +326,11 @@ SCENARIOS = [double_before_first_forward, double_with_grads_after_training, bf16
              cast_inside_a_unit, partial_list_unit]
 
 
-def _run_all(rank, world):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per scenario
-            out[fn.__name__] = [f"raised {type(e).__name__}: {e}"]
-    return out
+NAMES = [fn.__name__ for fn in SCENARIOS]
+_LAUNCHES = Scenarios(functools.partial(call_by_name, SCENARIOS), timeout=240)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def results(request):
-    return request.param, run_distributed(_run_all, request.param, timeout=240)
-
-
-@pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
-def test_cast_after_fully_shard(results, scenario):
-    world, per_rank = results
-    problems = {r: res[scenario] for r, res in enumerate(per_rank) if res[scenario]}
-    assert not problems, f"world size {world}: {problems}"
+@pytest.mark.parametrize("scenario", NAMES)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_cast_after_fully_shard(world, scenario):
+    _LAUNCHES.assert_no_problems(world, scenario, NAMES)

@@ -35,20 +35,11 @@ from fsdp_compose import comm_stats, fully_shard, get_state_dict, reset_comm_sta
 from fsdp_compose._checkpoint import flat_boxes
 
 from ._dist import run_distributed
+from ._support import Block
 
 V, D, ROWS, T = 13, 8, 8, 5   # vocab, width, global batch rows, tokens per row
 SAVE_AT, STEPS = 3, 6
 RTOL, ATOL = 1e-5, 1e-6
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = D):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
-
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
 
 
 class Scale(nn.Module):
@@ -70,7 +61,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
+        self.layers = nn.ModuleList([Block(D) for _ in range(2)])
         self.scale = Scale()
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, V)

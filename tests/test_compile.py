@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import traceback
 
 import pytest
 import torch
@@ -38,8 +37,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from ._dist import run_distributed
 from ._pieces import piece_close
+from ._support import Scenarios
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 STEPS = 4
@@ -149,32 +148,22 @@ def _names(ws: int) -> list[str]:
             if ws in sizes and (HAS_HF or not n.startswith("hf/"))]
 
 
-def _worker(rank: int, ws: int) -> dict:
-    out = {}
-    for name in _names(ws):
-        try:
-            out[name] = train(*SCENARIOS[name][1][:3], rank, *SCENARIOS[name][1][3:])
-        except Exception:  # noqa: BLE001 - reported per scenario; the rest of the launch stops
-            out[name] = {"error": traceback.format_exc()}
-            break
-    return out
+def _run_one(name: str, rank: int, ws: int) -> dict:
+    args = SCENARIOS[name][1]
+    return train(*args[:3], rank, *args[3:])
 
 
-_CACHE: dict[int, list] = {}
+def _import_hf() -> None:
+    if HAS_HF:
+        importlib.import_module("transformers")  # once here, inherited by forked ranks
+
+
+_LAUNCHES = Scenarios(_run_one, timeout=300, before_launch=_import_hf)
 
 
 def results(ws: int, name: str) -> list[dict]:
     """Per-rank results of one scenario (one launch per world size)."""
-    if ws not in _CACHE:
-        if HAS_HF:
-            importlib.import_module("transformers")  # once here, inherited by forked ranks
-        _CACHE[ws] = run_distributed(_worker, ws, timeout=300)
-    got = [r.get(name, {"error": "not run: an earlier scenario of the launch raised"})
-           for r in _CACHE[ws]]
-    errors = [f"rank {r}: {g['error']}" for r, g in enumerate(got) if "error" in g]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    return got
+    return _LAUNCHES.results(ws, name, _names(ws))
 
 
 def check_parity_and_recompiles(per_rank: list[dict]) -> None:

@@ -37,12 +37,6 @@ import copy
 import functools
 import importlib.util
 import math
-import os
-import pickle
-import shutil
-import tempfile
-import time
-import traceback
 from typing import Callable, Dict, List
 
 import expecttest
@@ -58,9 +52,9 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, record_schedule,
                           register_fsdp_forward_method, reset_comm_stats)
 
-from ._dist import DistributedError, run_distributed
-from ._pieces import expected_shape, local_piece
-from .test_api import per_unit_collectives
+from ._pieces import expected_shape
+from . import _support
+from ._support import Block, Scenarios, compare_with_reference, per_unit_collectives, shard
 
 WORLD_SIZES = (2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -75,39 +69,18 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 # ==========================================================================
 
 
-class Block(nn.Module):
-    """A residual MLP block. ``inner`` checkpoints the MLP *inside* the block's
-    forward (``"reentrant"`` / ``"nonreentrant"``): AC inside a unit."""
-
-    def __init__(self, d: int = 6, inner: str | None = None):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d + 1)
-        self.lin2 = nn.Linear(2 * d + 1, d)
-        self.inner = inner
-
-    def _mlp(self, x):
-        return self.lin2(torch.relu(self.lin1(x)))
-
-    def forward(self, x):
-        if self.inner is None:
-            return x + self._mlp(x)
-        return x + checkpoint(self._mlp, x, use_reentrant=self.inner == "reentrant")
-
-
 def _pair(x, a, b):
     return b(a(x))
 
 
-class Net(nn.Module):
+class Net(_support.Net):
     """``inp`` and ``out`` stay in the root unit; each block is a unit.
-    ``region`` checkpoints pairs of blocks (a region of two units)."""
+    ``inner`` checkpoints each block's MLP inside its forward (AC inside a
+    unit); ``region`` checkpoints pairs of blocks (a region of two units)."""
 
     def __init__(self, n: int = 4, d: int = 6, inner: str | None = None,
                  region: str | None = None):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList(Block(d, inner) for _ in range(n))
-        self.out = nn.Linear(d, 1)
+        super().__init__(n, d, inner=inner)
         self.region = region
 
     def forward(self, x):
@@ -260,32 +233,9 @@ def all_sharded(model: nn.Module) -> List[str]:
 
 
 def compare_params(model, ref, tag: str, grads: bool, atol=ATOL) -> List[str]:
-    problems = []
-    theirs = dict(ref.named_parameters())
-    ours = list(model.named_parameters())
-    if [n for n, _ in ours] != list(theirs):
-        return [f"{tag}: parameter names differ: {[n for n, _ in ours]} vs {list(theirs)}"]
-    for name, p in ours:
-        r = theirs[name]
-        s, e = param_info(p).local_range
-        if tuple(p.shape) != expected_shape(r.shape, (s, e)):
-            problems.append(f"{tag}: {name} is not its row piece ({tuple(p.shape)}, [{s}:{e}])")
-            continue
-        if grads:
-            if r.grad is None or p.grad is None:
-                if s == e and p.grad is None:
-                    continue  # this rank holds none of it (docs/design.md: empty pieces)
-                if (r.grad is None) != (p.grad is None):
-                    ours_g = "None" if p.grad is None else "set"
-                    ref_g = "None" if r.grad is None else "set"
-                    problems.append(f"{tag}: grad of {name}: ours {ours_g}, reference {ref_g}")
-                continue
-            problems += _diff(f"{tag} grad {name}[{s}:{e}]", p.grad,
-                              local_piece(r.grad, (s, e)), atol=atol)
-        else:
-            problems += _diff(f"{tag} param {name}[{s}:{e}]", p.detach(),
-                              local_piece(r, (s, e)), atol=atol)
-    return problems
+    """The gradients (``grads``) or else the parameters against the reference's pieces."""
+    return compare_with_reference(model, ref, tag, grads=grads, params=not grads, rtol=RTOL,
+                                  atol=atol)
 
 
 def rank_mean(x: torch.Tensor, ws: int) -> float:
@@ -488,9 +438,7 @@ def _generate(rank, ws):
     torch.manual_seed(0)
     model = GenNet()
     ref = copy.deepcopy(model)
-    for layer in model.layers:
-        fully_shard(layer)
-    per_unit_collectives(fully_shard(model))
+    per_unit_collectives(shard(model))
     register_fsdp_forward_method(model, "generate")
     p = Parity(rank, ws, model, ref, data=_gen_data, tag="generate")
     counts = {}
@@ -536,9 +484,7 @@ def _direct_call_first(rank, ws):
     torch.manual_seed(0)
     model = GenNet()
     ref = copy.deepcopy(model)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard(model)
     p = Parity(rank, ws, model, ref, data=_gen_data, tag="direct call first")
     h = torch.randn(5, 6, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
@@ -732,81 +678,22 @@ for _raf in (True, False):
 # ==========================================================================
 
 
-def _save(outdir, name, rank, payload) -> None:
-    with open(os.path.join(outdir, f"{_fname(name)}.rank{rank}"), "wb") as f:
-        pickle.dump(payload, f)
+def _run_one(name, rank, ws):
+    return CASES[name](rank, ws)
 
 
-def _worker(rank, ws, names, outdir):
-    for name in names:
-        try:
-            out = CASES[name](rank, ws)
-        except Exception:  # noqa: BLE001
-            _save(outdir, name, rank, ("err", time.time(), traceback.format_exc()))
-            raise
-        _save(outdir, name, rank, ("ok", out))
+def _import_hf() -> None:
+    if HAS_HF:
+        importlib.import_module("transformers")  # once here, inherited by forked ranks
 
 
-def _fname(name: str) -> str:
-    return name.replace("/", "__").replace("=", "_")
-
-
-def _load(path):
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except OSError:
-        return None
-
-
-def run_cases(ws: int, names: List[str]) -> Dict[str, tuple]:
-    """name -> ("ok", [per-rank result]) or ("err", text)."""
-    results: Dict[str, tuple] = {}
-    todo = list(names)
-    while todo:
-        outdir = tempfile.mkdtemp(prefix="fsdp_compose_")
-        try:
-            launch_err = None
-            try:
-                run_distributed(_worker, ws, todo, outdir, timeout=90 + 10 * len(todo))
-            except DistributedError as e:
-                launch_err = e
-            for i, name in enumerate(todo):
-                got = [_load(os.path.join(outdir, f"{_fname(name)}.rank{r}")) for r in range(ws)]
-                if all(g is not None and g[0] == "ok" for g in got):
-                    results[name] = ("ok", [g[1] for g in got])
-                    continue
-                errs = sorted((g[1], r, g[2]) for r, g in enumerate(got)
-                              if g is not None and g[0] == "err")
-                if errs:
-                    results[name] = ("err", f"case {name!r}, world size {ws}: rank {errs[0][1]} "
-                                            f"raised:\n{errs[0][2]}")
-                else:
-                    results[name] = ("err", f"case {name!r}, world size {ws}: launch failed:\n"
-                                            f"{launch_err}")
-                todo = todo[i + 1:]
-                break
-            else:
-                todo = []
-        finally:
-            shutil.rmtree(outdir, ignore_errors=True)
-    return results
-
-
-_CACHE: Dict[int, Dict[str, tuple]] = {}
+_LAUNCHES = Scenarios(_run_one, timeout=lambda n: 90 + 10 * n, before_launch=_import_hf)
 
 
 def results(ws: int, name: str) -> list:
     """Per-rank results of one case (its launch runs once per world size)."""
-    if ws not in _CACHE:
-        names = [n for n in CASES if ws in WS_OF[n] and (HAS_HF or not n.startswith("hf/"))]
-        if HAS_HF and any(n.startswith("hf/") for n in names):
-            importlib.import_module("transformers")  # once here, inherited by forked ranks
-        _CACHE[ws] = run_cases(ws, names)
-    status, val = _CACHE[ws][name]
-    if status != "ok":
-        pytest.fail(val, pytrace=False)
-    return val
+    names = [n for n in CASES if ws in WS_OF[n] and (HAS_HF or not n.startswith("hf/"))]
+    return _LAUNCHES.results(ws, name, names)
 
 
 def assert_no_problems(per_rank: list) -> None:

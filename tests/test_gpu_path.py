@@ -49,7 +49,7 @@ from fsdp_compose import _collectives
 
 from ._dist import run_distributed
 from ._pieces import piece_close
-from .test_api import Block, Net, per_unit_collectives
+from ._support import Block, Net, per_unit_collectives, shard
 from .test_streams import _check_protocol
 
 # what this CPU-only build says when asked to allocate on CUDA
@@ -494,15 +494,9 @@ def test_side_stream_collectives_run_on_the_side_streams():
 def _default_path_issues(rank, world):
     rt = _Issues()
     with recording(rt, use_double=False):
-        model = per_unit_collectives(_shard_net(Net(n=2)))
+        model = per_unit_collectives(shard(Net(n=2)))
         model(torch.randn(4, 3)).sum().backward()
     return {(k, s, a) for k, s, a, _ in rt.issues}
-
-
-def _shard_net(model, **kw):
-    for layer in model.layers:
-        fully_shard(layer, **kw)
-    return fully_shard(model, **kw)
 
 
 # ================================ 5. one collective order across communicators

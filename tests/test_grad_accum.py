@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_compose import comm_stats, fully_shard, param_info, reset_comm_stats
-from ._pieces import piece_close
+from fsdp_compose import comm_stats, fully_shard, reset_comm_stats
 
 from ._dist import run_distributed
-from .test_api import Block, per_unit_collectives
+from ._support import Block, compare_step, per_unit_collectives
 
 MICRO = 4
 ROWS = 4  # per microbatch per rank
@@ -70,19 +69,7 @@ def _accumulate(rank, world, raf, side_once, per_unit):
         ref_loss = sum((ref(x[k].reshape(-1, 3), use[k]) - y[k].reshape(-1, 1)).pow(2).mean()
                        for k in range(MICRO)) / MICRO
         ref_loss.backward()
-        refp = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            rng = param_info(p).local_range
-            if not piece_close(p.grad, refp[name].grad, rng, rtol=1e-5, atol=1e-6):
-                problems.append(f"step {step} grad {name}: {p.grad} vs {refp[name].grad}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for name, p in model.named_parameters():
-            if not piece_close(p.detach(), refp[name], param_info(p).local_range,
-                               rtol=1e-5, atol=1e-6):
-                problems.append(f"step {step} param {name}")
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", rtol=1e-5, atol=1e-6)
     return problems, reduces
 
 

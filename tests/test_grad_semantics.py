@@ -17,28 +17,25 @@
   in backward must follow the rank-independent orders) or not; 0-dim
   parameters (the flat path at world size 1).
 
-All scenarios of one world size share one launch; each is its own test. A
-scenario that raises reports the error as its problem.
+All scenarios of one world size share one launch (``_support.Scenarios``);
+each is its own test. A scenario that raises fails its test with the
+traceback of the rank that raised first, at once.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path, fully_shard, param_info
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path, fully_shard
 
-from ._dist import run_distributed
-from ._pieces import local_piece
-from .test_api import per_unit_collectives
+from ._support import Scenarios, compare_step, compare_with_reference, per_unit_collectives
 
 D = 6
 STEPS = 4
@@ -100,35 +97,6 @@ def shard_units(model, units, per_unit, **kw):
     return model
 
 
-def grad_problems(model, ref, shard_world, tag, atol=1e-6, rtol=1e-5) -> list[str]:
-    """``p.grad`` None exactly where the reference's is, else its local piece."""
-    out, theirs = [], dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        if p.requires_grad != r.requires_grad:
-            out.append(f"{tag} {name}: requires_grad {p.requires_grad}, reference {r.requires_grad}")
-        a, b = param_info(p).local_range
-        if p.grad is None and r.grad is not None and a == b:
-            continue  # this rank holds no rows of it: no gradient here (empty pieces)
-        if (p.grad is None) != (r.grad is None):
-            out.append(f"{tag} {name}: grad {'None' if p.grad is None else 'set'}, reference "
-                       f"{'None' if r.grad is None else 'set'}")
-        elif p.grad is not None:
-            want = local_piece(r.grad, param_info(p).local_range, shard_world)
-            if not torch.allclose(p.grad, want, rtol=rtol, atol=atol):
-                out.append(f"{tag} {name}: grad off by {(p.grad - want).abs().max():.2e}")
-    return out
-
-
-def param_problems(model, ref, shard_world, tag, atol=1e-6, rtol=1e-5) -> list[str]:
-    out, theirs = [], dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        want = local_piece(theirs[name], param_info(p).local_range, shard_world)
-        if not torch.allclose(p.detach(), want, rtol=rtol, atol=atol):
-            out.append(f"{tag} {name}: param off by {(p.detach() - want).abs().max():.2e}")
-    return out
-
-
 def adamw(params):
     # weight decay and momentum: a zero gradient moves a parameter, None does not
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
@@ -168,12 +136,9 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
             x, y = batch(step, rank, micro)
             for m in (model, ddp):  # (d runs in one of two microbatches)
                 (m(x, rank, step + micro) - y).pow(2).mean().backward()
-        problems += grad_problems(model, ddp.module, shard_world, f"step {step}", atol, rtol)
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ddp.module, shard_world, f"step {step}", atol, rtol)
-        opt.zero_grad(set_to_none=mode != "keep")
-        ref_opt.zero_grad(set_to_none=mode != "keep")
+        problems += compare_step(model, ddp.module, opt, ref_opt, f"step {step}",
+                                 set_to_none=mode != "keep", rtol=rtol, atol=atol,
+                                 shard_world=shard_world)
     return problems
 
 
@@ -227,12 +192,7 @@ def freeze(rank, world, per_unit=False, flat_at_1=False, scalar=False):
             if step == 3:
                 m.requires_grad_(True)
         global_step(model, ref, step, rank, world)
-        problems += grad_problems(model, ref, world, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ref, world, f"step {step}")
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", shard_world=world)
     return problems
 
 
@@ -256,22 +216,26 @@ def partial_optimizers(rank, world, per_unit=False, flat_at_1=False):
     problems = []
     for step in range(4):
         global_step(model, ref, step, rank, world)
-        problems += grad_problems(model, ref, world, f"step {step}")
+        problems += compare_with_reference(model, ref, f"step {step}", params=False,
+                                           shard_world=world)
         for (w, b) in (ours, theirs):
             w.step()
             w.zero_grad()
             if step % 2 == 1:
                 b.step()
                 b.zero_grad()
-        problems += param_problems(model, ref, world, f"step {step}")
+        problems += compare_with_reference(model, ref, f"step {step}", grads=False,
+                                           shard_world=world)
     sub, ref_sub = adamw(model.layers[0].parameters()), adamw(ref.layers[0].parameters())
     for step in range(4, 7):
         global_step(model, ref, step, rank, world)
-        problems += grad_problems(model, ref, world, f"step {step}")
+        problems += compare_with_reference(model, ref, f"step {step}", params=False,
+                                           shard_world=world)
         for o in (sub, ref_sub):
             o.step()
             o.zero_grad()
-        problems += param_problems(model, ref, world, f"step {step}")
+        problems += compare_with_reference(model, ref, f"step {step}", grads=False,
+                                           shard_world=world)
     return problems
 
 
@@ -294,12 +258,7 @@ def unsynced_unit(rank, world, per_unit=False):
         for micro in range(4):
             model.set_requires_gradient_sync(micro == 3)
             global_step(model, ref, step, rank, world, micro, fwd(micro))
-        problems += grad_problems(model, ref, world, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ref, world, f"step {step}")
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", shard_world=world)
     return problems
 
 
@@ -332,12 +291,7 @@ def unused_vs_one(rank, world, ac=None, scalar=False, no_sync=False, per_unit=Fa
             # the second microbatch: what ran on even steps runs on odd ones
             global_step(model, ref, step, rank, world, micro,
                         lambda m, x, r: m(x, r, step + micro) / micros)
-        problems += grad_problems(model, ref, world, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ref, world, f"step {step}")
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", shard_world=world)
     return problems
 
 
@@ -414,27 +368,17 @@ def _scenarios(world: int) -> dict:
     return out
 
 
-def _run_all(rank, world):
-    results = {}
-    for name, fn in _scenarios(world).items():
-        try:
-            if isinstance(fn, tuple):  # HSDP: (replicate 2, shard world/2)
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
-                results[name] = fn[1](rank, world, mesh=mesh)
-            else:
-                results[name] = fn(rank, world)
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = [traceback.format_exc()]
-            dist.barrier()  # (a scenario that raised on every rank alike)
-    return results
+def _run_one(name, rank, world):
+    fn = _scenarios(world)[name]
+    if isinstance(fn, tuple):  # HSDP: (replicate 2, shard world/2)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        return fn[1](rank, world, mesh=mesh)
+    return fn(rank, world)
 
 
-@functools.lru_cache(maxsize=None)
-def _results(world: int):
-    return run_distributed(_run_all, world, timeout=240)
+_LAUNCHES = Scenarios(_run_one, timeout=240)
 
 
 @pytest.mark.parametrize("world,name", [(w, n) for w in (1, 2, 4) for n in _scenarios(w)])
 def test_gradient_semantics(world, name):
-    for rank, per_rank in enumerate(_results(world)):
-        assert per_rank[name] == [], f"rank {rank}: " + "\n".join(per_rank[name][:12])
+    _LAUNCHES.assert_no_problems(world, name, list(_scenarios(world)))

@@ -17,42 +17,24 @@ import torch.nn as nn
 import fsdp_compose
 from fsdp_compose import fully_shard
 
+from . import _support
+from ._support import shard
 from ._dist import run_distributed
 
 ELEMENTWISE = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
                "Adamax", "Rprop", "ASGD"]
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = 8):
-        super().__init__()
-        self.lin1 = nn.Linear(d, 2 * d)
-        self.lin2 = nn.Linear(2 * d, d)
+class Net(_support.Net):
+    """2 blocks of width 8, hidden 16."""
 
-    def forward(self, x):
-        return x + self.lin2(torch.relu(self.lin1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 8):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList([Block(d), Block(d)])
-        self.out = nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
+    def __init__(self):
+        super().__init__(2, 8, hidden=16)
 
 
 def _sharded_net() -> Net:
     torch.manual_seed(0)
-    model = Net()
-    for layer in model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+    return shard(Net())
 
 
 class OwnStep(torch.optim.SGD):
@@ -169,10 +151,7 @@ def test_declare_optimizer_rejects_bad_input():
 def _torch_clip(rank, world, max_norm):
     torch.manual_seed(0)
     ref = Net()
-    model = copy.deepcopy(ref)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard(copy.deepcopy(ref))
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))  # same on every rank
     for m in (ref, model):
         m(x).square().mean().backward()

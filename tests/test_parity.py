@@ -31,11 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-import pickle
-import shutil
-import tempfile
 import time
-import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -47,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._dist import DistributedError, run_distributed
-from ._pieces import expected_shape, local_piece
+from ._pieces import expected_shape
+from ._support import Scenarios, compare_with_reference
 
 WORLD_SIZES = (1, 2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -634,32 +631,12 @@ def _structure_checks(model, ref, units, impl, rank, ws) -> None:
 
 
 def _compare_params(model, ref, impl, step, grads: bool, ws: int) -> List[str]:
-    problems = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        _, _, (s, e) = impl.info(p)
-        if grads:
-            tag = f"step {step} grad {name}[{s}:{e}]"
-            if r.grad is None:
-                if p.grad is not None:
-                    problems.append(f"{tag}: reference has no grad, ours has one")
-                continue
-            if p.grad is None:
-                if e > s:
-                    problems.append(f"{tag}: grad is None, reference has one")
-                continue
-            ours, full = p.grad.detach(), r.grad
-        else:
-            tag = f"step {step} param {name}[{s}:{e}]"
-            ours, full = p.detach(), r
-        if impl.flat:
-            exp = local_piece(full, (s, e), ws)
-        else:
-            ours, exp = ours.reshape(-1), full.detach().reshape(-1)[s:e]
-        if not _close(ours, exp):
-            problems.append(_diff(tag, ours, exp))
-    return problems
+    """The gradients (``grads``) or else the parameters against the reference's
+    pieces (the mock holds whole parameters)."""
+    return compare_with_reference(
+        model, ref, f"step {step}", grads=grads, params=not grads, rtol=RTOL, atol=ATOL,
+        shard_world=ws, local_range=lambda p: impl.info(p)[2],
+        piece=None if impl.flat else (lambda full, p: full.detach()))
 
 
 def _check_scalar(tag, got: float, exp: float, problems: List[str], rtol=RTOL):
@@ -744,85 +721,27 @@ def run_scenario(name: str, rank: int, ws: int, impl) -> None:
 # --------------------------------------------------------------------------
 
 
-def _batch_worker(rank, ws, names, outdir, mock):
-    impl = _Mock() if mock else _Real()
-    for name in names:
-        try:
-            run_scenario(name, rank, ws, impl)
-        except BaseException as e:  # noqa: BLE001
-            with open(os.path.join(outdir, f"{name}.rank{rank}.err"), "wb") as f:
-                pickle.dump((time.time(), type(e).__name__, traceback.format_exc()), f)
-            raise
-        open(os.path.join(outdir, f"{name}.rank{rank}.ok"), "w").close()
-    return None
+def _run_one(name, rank, ws):
+    run_scenario(name, rank, ws, _Mock() if MOCK else _Real())
 
 
-def _failure_message(name, ws, outdir, launch_err) -> str:
-    errs = []
-    for r in range(ws):
-        path = os.path.join(outdir, f"{name}.rank{r}.err")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                errs.append((r,) + pickle.load(f))
-    if not errs:
-        return f"scenario {name!r}, world size {ws}: launch failed:\n{launch_err}"
-    induced = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-    errs.sort(key=lambda e: (any(s in e[3] for s in induced), e[1]))
-    r, _, etype, tb = errs[0]
-    msg = f"scenario {name!r}, world size {ws}: rank {r} failed with {etype}:\n{tb}"
-    root_last = tb.strip().splitlines()[-1]
-    others = [f"  rank {e[0]}: {e[3].strip().splitlines()[-1]}" for e in errs[1:]
-              if e[3].strip().splitlines()[-1] != root_last]  # not the shared _sync_check text
-    if others:
-        msg += "other ranks:\n" + "\n".join(others)
-    return msg
-
-
-def run_batch(ws: int, names: Sequence[str], mock: bool = MOCK) -> Dict[str, Optional[str]]:
-    """Run scenarios at one world size; returns name -> None (pass) or failure text."""
-    results: Dict[str, Optional[str]] = {}
-    todo = list(names)
-    while todo:
-        outdir = tempfile.mkdtemp(prefix="fsdp_parity_")
-        try:
-            launch_err = None
-            try:
-                run_distributed(_batch_worker, ws, todo, outdir, mock,
-                                timeout=90 + 15 * len(todo))
-            except DistributedError as e:
-                launch_err = e
-            for i, name in enumerate(todo):
-                if all(os.path.exists(os.path.join(outdir, f"{name}.rank{r}.ok")) for r in range(ws)):
-                    results[name] = None
-                    continue
-                results[name] = _failure_message(name, ws, outdir, launch_err)
-                todo = todo[i + 1:]
-                break
-            else:
-                if launch_err is not None:
-                    results[todo[-1]] = f"all scenarios passed but the launch failed:\n{launch_err}"
-                todo = []
-        finally:
-            shutil.rmtree(outdir, ignore_errors=True)
-    return results
+_LAUNCHES = Scenarios(_run_one, timeout=lambda n: 90 + 15 * n)
 
 
 @pytest.fixture(scope="module")
 def parity_results(request):
+    """(world size, scenario) -> None (pass) or the failure text; one launch
+    per world size runs the scenarios this session selected."""
     selected = defaultdict(list)
     for item in request.session.items:
         cs = getattr(item, "callspec", None)
         if cs is not None and getattr(item, "originalname", None) == "test_parity" \
                 and item.module.__name__ == __name__:
             selected[cs.params["world_size"]].append(cs.params["scenario"])
-    cache: Dict[int, Dict[str, Optional[str]]] = {}
 
     def get(ws, name):
-        if ws not in cache:
-            cache[ws] = run_batch(ws, selected.get(ws) or [name])
-        if name not in cache[ws]:
-            cache[ws].update(run_batch(ws, [name]))
-        return cache[ws][name]
+        status, val = _LAUNCHES.outcome(ws, name, selected.get(ws) or [name])
+        return None if status == "ok" else val
 
     return get
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from fsdp_compose import comm_stats, fully_shard, record_schedule, reset_comm_stats
 
 from ._dist import run_distributed
-from .test_api import Block, Net, per_unit_collectives, shard
+from ._support import Block, Net, per_unit_collectives, shard
 
 
 def _fmt(events) -> str:

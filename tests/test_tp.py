@@ -12,11 +12,9 @@ norms, Rowwise embedding-like input, Colwise output head).
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -24,11 +22,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from fsdp_compose import clip_grad_norm_, fully_shard, param_info
+from fsdp_compose import fully_shard, param_info
 from fsdp_compose._registry import SHARDED as _SHARDED
 
-from ._dist import run_distributed
 from ._pieces import local_piece
+from ._support import Scenarios, compare_step
 
 D, HEAD, T, IN, OUT = 8, 2, 4, 4, 2
 BATCH = 4   # global, split over dp
@@ -134,7 +132,6 @@ def _train(rank, world, dp, tp, sequence_parallel):
     _parallelize(model, mesh, sequence_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    refp = dict(ref.named_parameters())
     problems = []
     n_tp = sum(param_info(p).placements is not None for p in model.parameters())
     if tp > 1 and n_tp == 0:
@@ -143,21 +140,6 @@ def _train(rank, world, dp, tp, sequence_parallel):
         pl = param_info(p).placements
         if pl and not all(x.is_replicate() for x in pl) and _SHARDED[p][1].holds_whole():
             problems.append(f"{name} ({pl}): holds_whole() on a TP shard")
-
-    def compare(what, step):
-        for name, p in model.named_parameters():
-            info = param_info(p)
-            got = p.grad if what == "grad" else p
-            want = _ref_piece(refp[name].grad if what == "grad" else refp[name], info, tp_rank, tp,
-                              dp)
-            if got is None and what == "grad" and info.rows == (0, 0) and want.numel() == 0:
-                continue  # this rank holds none of it: p.grad stays None
-            if got is not None and got.shape != want.shape:
-                problems.append(f"step {step} {what} {name}: shape {tuple(got.shape)}, "
-                                f"expected {tuple(want.shape)}")
-            elif got is None or not torch.allclose(got.detach(), want, rtol=1e-4, atol=1e-5):
-                diff = "None" if got is None else f"{(got - want).abs().max():.2e}"
-                problems.append(f"step {step} {what} {name} {info.placements}: {diff}")
 
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
@@ -170,16 +152,9 @@ def _train(rank, world, dp, tp, sequence_parallel):
         if not torch.allclose(loss.detach(), ref_local.detach(), rtol=1e-5, atol=1e-6):
             problems.append(f"step {step} loss {loss.item()} vs {ref_local.item()}")
         (ref(x) - y).pow(2).mean().backward()
-        compare("grad", step)
-        norm = clip_grad_norm_(model.parameters(), MAX_NORM)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        if not torch.allclose(norm, ref_norm, rtol=1e-5):
-            problems.append(f"step {step} clip norm {norm.item()} vs {ref_norm.item()}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        compare("param", step)
+        problems += compare_step(
+            model, ref, opt, ref_opt, f"step {step}", max_norm=MAX_NORM, rtol=1e-4, atol=1e-5,
+            piece=lambda full, p: _ref_piece(full, param_info(p), tp_rank, tp, dp))
     # TP shards and plain parameters share one flat group per unit, so one
     # collective per unit (test_demo's call counts rely on it)
     several = [u.fqn for u in model._unit().ctx.units if len(u.groups) != 1]
@@ -188,28 +163,15 @@ def _train(rank, world, dp, tp, sequence_parallel):
     return problems
 
 
-def _run_all(rank, world, layouts):
-    out = {}
-    for dp, tp, sp in layouts:
-        try:
-            out[(dp, tp, sp)] = _train(rank, world, dp, tp, sp)
-        except Exception as e:
-            import traceback
-            out[(dp, tp, sp)] = [f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}"]
-        dist.barrier()
-    return out
+def _run_one(layout, rank, world):
+    return _train(rank, world, *layout)
 
 
 LAYOUTS = {4: ((2, 2, False), (2, 2, True)), 2: ((1, 2, False), (2, 1, False), (1, 2, True))}
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world):
-    return run_distributed(_run_all, world, LAYOUTS[world])
+_LAUNCHES = Scenarios(_run_one)
 
 
 @pytest.mark.parametrize("world,layout", [(w, lay) for w, lays in LAYOUTS.items() for lay in lays],
                          ids=lambda v: str(v))
 def test_tp_inside_units(world, layout):
-    for rank, per_rank in enumerate(_results(world)):
-        assert per_rank[layout] == [], f"rank {rank}: {per_rank[layout][:4]}"
+    _LAUNCHES.assert_no_problems(world, layout, LAYOUTS[world])

@@ -21,7 +21,8 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm
 from fsdp_compose import _layout
 
 from ._dist import run_distributed
-from .test_grad_semantics import FreezeNet, adamw, batch, grad_problems, param_problems, shard_units
+from ._support import compare_step, raised
+from .test_grad_semantics import FreezeNet, adamw, batch, shard_units
 
 
 # ------------------------------------------------------------ 9. memory release
@@ -64,14 +65,6 @@ def test_sharded_model_is_freed(world, setting):
 
 
 # --------------------------------------- 11. an optimizer built before fully_shard
-def _error(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return type(e).__name__, str(e)
-    return "no error", ""
-
-
 def _early_optimizer(rank, world):
     out = {}
     torch.manual_seed(0)
@@ -80,14 +73,14 @@ def _early_optimizer(rank, world):
     shard_units(model, list(model.layers), per_unit=False)
     x, y = batch(0, rank)
     (model(x) - y).pow(2).mean().backward()
-    out["early"] = _error(early.step)
+    out["early"] = raised(early.step)
     late = adamw(model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
-    out["late"] = _error(late.step)
+    out["late"] = raised(late.step)
     out["late_moves"] = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # a param group added later is checked too
     late.add_param_group({"params": [early.param_groups[0]["params"][0]]})
-    out["added"] = _error(late.step)
+    out["added"] = raised(late.step)
 
     # before materialize: the meta-device sharded Parameters are replaced too
     with torch.device("meta"):
@@ -96,10 +89,10 @@ def _early_optimizer(rank, world):
     before_materialize = adamw(meta.parameters())
     materialize(meta, device="cpu")
     (meta(x) - y).pow(2).mean().backward()
-    out["meta"] = _error(before_materialize.step)
+    out["meta"] = raised(before_materialize.step)
 
     plain = nn.Linear(2, 2)  # optimizers of unsharded models are left alone
-    out["plain"] = _error(adamw(plain.parameters()).step)
+    out["plain"] = raised(adamw(plain.parameters()).step)
     return out
 
 
@@ -157,12 +150,7 @@ def _unshard_in_backward(rank, world, per_unit, skip):
         s = comm_stats()
         counts.append((s.all_gather_calls, s.all_gather_bytes))
         (ddp(tok) - y).pow(2).mean().backward()
-        problems += grad_problems(model, ref, world, f"step {step}")
-        opt.step()
-        ref_opt.step()
-        problems += param_problems(model, ref, world, f"step {step}")
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        problems += compare_step(model, ref, opt, ref_opt, f"step {step}", shard_world=world)
     return problems, counts
 
 

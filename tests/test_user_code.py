@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
 from typing import NamedTuple
@@ -28,9 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_compose
-from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
+from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-from ._dist import run_distributed
+from ._support import Scenarios, call_by_name, compare_with_reference, range_or_whole
 
 ROWS = 8
 
@@ -46,21 +47,9 @@ def mine(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def compare(model, ref, what: str, tol: float = 1e-5, grads: bool = True) -> list[str]:
-    bad = []
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        r = theirs[name]
-        hit = fsdp_compose._registry.SHARDED.get(p)
-        a, b = param_info(p).local_range if hit is not None else (0, p.numel())
-        for kind, got, want in [("param", p, r)] + ([("grad", p.grad, r.grad)] if grads else []):
-            if kind == "grad" and got is None and a == b and want is not None:
-                continue  # this rank holds no rows: no gradient here (empty pieces)
-            if (got is None) != (want is None):
-                bad.append(f"{what}: {name} {kind} None on one side only")
-            elif got is not None and not torch.allclose(
-                    got.detach().reshape(-1), want.detach().reshape(-1)[a:b], rtol=tol, atol=tol):
-                bad.append(f"{what}: {name} {kind} differs")
-    return bad
+    """As the reference; an ignored parameter (not sharded) whole."""
+    return compare_with_reference(model, ref, what, grads=grads, rtol=tol, atol=tol,
+                                  local_range=range_or_whole)
 
 
 def parity(model, ref, rank, world, steps=3, tol=1e-5) -> list[str]:
@@ -308,23 +297,11 @@ def clip_arguments(rank, world):
 SCENARIOS = [pytree_outputs, forward_mode_ad, model_wide_ignored, clip_arguments]
 
 
-def _run_all(rank, world):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = fn(rank, world)
-        except Exception as e:  # noqa: BLE001 - reported per scenario
-            out[fn.__name__] = [f"raised {type(e).__name__}: {e}"]
-    return out
+NAMES = [fn.__name__ for fn in SCENARIOS]
+_LAUNCHES = Scenarios(functools.partial(call_by_name, SCENARIOS), timeout=240)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def results(request):
-    return request.param, run_distributed(_run_all, request.param, timeout=240)
-
-
-@pytest.mark.parametrize("scenario", [fn.__name__ for fn in SCENARIOS])
-def test_user_code(results, scenario):
-    world, per_rank = results
-    problems = {r: res[scenario] for r, res in enumerate(per_rank) if res[scenario]}
-    assert not problems, f"world size {world}: {problems}"
+@pytest.mark.parametrize("scenario", NAMES)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_user_code(world, scenario):
+    _LAUNCHES.assert_no_problems(world, scenario, NAMES)

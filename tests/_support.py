@@ -1,0 +1,357 @@
+"""What the test files share: the small models, the comparison of sharded
+parameters with an unsharded reference, and the launcher that runs many
+scenarios of one world size in one multi-process launch.
+
+* :class:`Block` / :class:`Net`: a residual MLP block and a stack of them
+  between an input and an output layer; a file that needs other widths passes
+  them (or subclasses ``Net`` with its own defaults).
+* :func:`compare_with_reference`: every sharded parameter (and gradient) of
+  this rank against the same piece of an unsharded reference, by the
+  documented layout rule (``_pieces``).
+* :class:`Scenarios`: named scenarios, one launch per world size (cached). A
+  scenario that raises on a rank stops that rank's launch at once (no
+  barrier, no later collective: a peer waiting in a collective fails as soon
+  as the failed rank's process exits), its result is that rank's traceback,
+  and the scenarios after it run again in a new launch, so every test reports
+  its own result.
+
+fsdp_compose is imported inside the functions that need it, so that a file
+testing the harness (test_parity's mock mode) can use this module without it.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ._dist import DistributedError, _read, run_distributed
+from ._pieces import local_piece
+
+__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
+           "compare_step", "raised", "Scenarios", "call_by_name"]
+
+
+# ==========================================================================
+# Models
+# ==========================================================================
+
+
+class Block(nn.Module):
+    """``x + lin2(relu(lin1(x)))``: ``lin1`` is ``d -> hidden`` (``2 * d + 1`` by
+    default: an odd width, so that row pieces rarely split evenly), ``lin2``
+    goes back. ``inner`` checkpoints the MLP *inside* the block's forward
+    (``"reentrant"`` / ``"nonreentrant"``): activation checkpointing inside a
+    unit."""
+
+    def __init__(self, d: int = 6, hidden: int | None = None, inner: str | None = None):
+        super().__init__()
+        hidden = 2 * d + 1 if hidden is None else hidden
+        self.lin1 = nn.Linear(d, hidden)
+        self.lin2 = nn.Linear(hidden, d)
+        self.inner = inner
+
+    def _mlp(self, x):
+        return self.lin2(torch.relu(self.lin1(x)))
+
+    def forward(self, x):
+        if self.inner is None:
+            return x + self._mlp(x)
+        return x + checkpoint(self._mlp, x, use_reentrant=self.inner == "reentrant")
+
+
+class Net(nn.Module):
+    """``inp`` (3 -> d), ``n`` :class:`Block` s in ``layers``, an optional
+    ``LayerNorm`` (``norm``), ``out`` (d -> ``out``). Parameters are created in
+    that order (what a seed gives does not depend on the options left off)."""
+
+    def __init__(self, n: int = 2, d: int = 6, *, out: int = 1, hidden: int | None = None,
+                 norm: bool = False, inner: str | None = None):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.layers = nn.ModuleList([Block(d, hidden, inner) for _ in range(n)])
+        self.norm = nn.LayerNorm(d) if norm else None
+        self.out = nn.Linear(d, out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x if self.norm is None else self.norm(x))
+
+
+def shard(model: nn.Module, *, root: Optional[dict] = None, **kw) -> nn.Module:
+    """``fully_shard`` every block of ``model.layers`` with ``kw``, then the
+    root with ``root`` (default: ``kw`` too)."""
+    from fsdp_compose import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    return fully_shard(model, **(kw if root is None else root))
+
+
+def per_unit_collectives(model):
+    """Buckets off: one all-gather / reduce-scatter per unit (tests that assert
+    per-unit counts or schedules; buckets are tested on their own)."""
+    model.set_all_gather_bucket_bytes(0)
+    model.set_reduce_scatter_bucket_bytes(0)
+    return model
+
+
+# ==========================================================================
+# Comparison with an unsharded reference
+# ==========================================================================
+
+
+def sharded_range(p: torch.Tensor) -> tuple:
+    """``param_info(p).local_range``: which elements of the flattened full
+    parameter this rank's piece holds."""
+    from fsdp_compose import param_info
+
+    return tuple(param_info(p).local_range)
+
+
+def range_or_whole(p: torch.Tensor) -> tuple:
+    """As :func:`sharded_range`; the whole tensor for a parameter that
+    fully_shard left alone (an ignored parameter)."""
+    from fsdp_compose import param_info
+
+    try:
+        return tuple(param_info(p).local_range)
+    except ValueError:  # "not a parameter sharded by fully_shard"
+        return (0, p.numel())
+
+
+def _value_problem(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float):
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype}, reference {want.dtype}"
+    g, w = got.detach().double(), want.detach().double()
+    if torch.allclose(g, w, rtol=rtol, atol=atol):
+        return None
+    d = (g - w).abs().reshape(-1)
+    i = int(d.argmax())
+    return (f"max abs diff {d[i].item():.3e} at local index {i} (got {g.reshape(-1)[i].item():.8g}, "
+            f"expected {w.reshape(-1)[i].item():.8g})")
+
+
+def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
+                           grads: bool = True, params: bool = True, rtol: float = 1e-5,
+                           atol: float = 1e-6, shard_world: int = 0,
+                           local_range: Callable[[torch.Tensor], tuple] = sharded_range,
+                           piece: Optional[Callable] = None) -> List[str]:
+    """Each parameter of ``model`` (sharded; this rank's piece) against the same
+    piece of the parameter of the same name in ``ref`` (unsharded); the problems
+    found, as lines starting with ``tag``. Per parameter:
+
+    * the names, in order, and ``requires_grad`` are the reference's;
+    * ``grads``: ``p.grad`` is None exactly where the reference's is, or where
+      this rank holds none of the parameter (docs/design.md, "Layout and
+      padding": empty pieces); else it is the reference gradient's piece;
+    * ``params``: the parameter is the reference parameter's piece;
+    * a piece has the reference piece's shape and dtype, and values within
+      ``torch.allclose(rtol, atol)`` (computed in float64).
+
+    The piece is ``local_piece(full, local_range(p), shard_world)``, or
+    ``piece(full, p)`` when given (e.g. a tensor-parallel shard's rows).
+    """
+    out: List[str] = []
+    ours = list(model.named_parameters())
+    theirs = dict(ref.named_parameters())
+    if [n for n, _ in ours] != list(theirs):
+        return [f"{tag} parameter names differ: {[n for n, _ in ours]} vs {list(theirs)}"]
+    for name, p in ours:
+        r = theirs[name]
+        a, b = local_range(p)
+
+        def want_of(full):
+            return piece(full, p) if piece is not None else local_piece(full, (a, b), shard_world)
+
+        if p.requires_grad != r.requires_grad:
+            out.append(f"{tag} {name}: requires_grad {p.requires_grad}, reference "
+                       f"{r.requires_grad}")
+        if grads and not (p.grad is None and (r.grad is None or a == b)):
+            if (p.grad is None) != (r.grad is None):
+                out.append(f"{tag} grad {name}[{a}:{b}]: {'None' if p.grad is None else 'set'}, "
+                           f"reference {'None' if r.grad is None else 'set'}")
+            else:
+                msg = _value_problem(p.grad, want_of(r.grad), rtol, atol)
+                if msg:
+                    out.append(f"{tag} grad {name}[{a}:{b}]: {msg}")
+        if params:
+            msg = _value_problem(p, want_of(r), rtol, atol)
+            if msg:
+                out.append(f"{tag} param {name}[{a}:{b}]: {msg}")
+    return out
+
+
+def compare_step(model: nn.Module, ref: nn.Module, opt, ref_opt, tag: str = "", *,
+                 max_norm: Optional[float] = None, set_to_none: bool = True,
+                 **compare_kw) -> List[str]:
+    """One optimizer step of both, after both backwards, checked on both sides
+    of it: the gradients (:func:`compare_with_reference`); with ``max_norm``,
+    fsdp_compose's ``clip_grad_norm_`` against torch's on the reference (the
+    returned norms within 1e-5); ``opt.step()`` and ``ref_opt.step()``; the
+    parameters; then ``zero_grad(set_to_none)`` on both."""
+    problems = compare_with_reference(model, ref, tag, params=False, **compare_kw)
+    if max_norm is not None:
+        from fsdp_compose import clip_grad_norm_
+
+        norm = clip_grad_norm_(model.parameters(), max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        if not torch.allclose(norm, ref_norm, rtol=1e-5):
+            problems.append(f"{tag} clip norm {norm.item()} vs {ref_norm.item()}")
+    opt.step()
+    ref_opt.step()
+    problems += compare_with_reference(model, ref, tag, grads=False, **compare_kw)
+    opt.zero_grad(set_to_none=set_to_none)
+    ref_opt.zero_grad(set_to_none=set_to_none)
+    return problems
+
+
+def raised(fn: Callable[[], Any]) -> tuple:
+    """``(exception class name, message)`` of what ``fn()`` raises, or
+    ``("no error", "")``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller compares the messages
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+# ==========================================================================
+# Many scenarios per launch
+# ==========================================================================
+
+# The last line of an error that only says a peer went away (the root cause is
+# on another rank).
+_INDUCED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _save(path: str, payload: Any) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+
+
+def _fname(outdir: str, i: int, rank: int) -> str:
+    return os.path.join(outdir, f"scenario{i}.rank{rank}")  # i: its place in the launch
+
+
+def _scenario_worker(rank: int, ws: int, run_one: Callable, names: Sequence[str],
+                     outdir: str) -> None:
+    """Runs the scenarios in order on this rank; each one's result goes to a
+    file. The first that raises stops this rank: no barrier, no later
+    collective (they would turn one rank's failure into a timeout)."""
+    for i, name in enumerate(names):
+        try:
+            out = run_one(name, rank, ws)
+            # every rank is done with it: no rank starts the next scenario (or
+            # takes the store down) while a peer still creates its groups
+            dist.barrier()
+        except BaseException:
+            _save(_fname(outdir, i, rank), ("err", time.time(), traceback.format_exc()))
+            raise
+        _save(_fname(outdir, i, rank), ("ok", out))
+
+
+def _failure(name: str, ws: int, got: list, launch_err) -> str:
+    errs = [(r, g[1], g[2]) for r, g in enumerate(got) if g is not None and g[0] == "err"]
+    if not errs:
+        return f"scenario {name!r}, world size {ws}: launch failed:\n{launch_err}"
+    errs.sort(key=lambda e: (any(s in e[2] for s in _INDUCED), e[1]))  # root cause first
+    r, _, tb = errs[0]
+    last = tb.strip().splitlines()[-1]
+    msg = f"scenario {name!r}, world size {ws}: rank {r} raised:\n{tb}"
+    others = [f"  rank {e[0]}: {e[2].strip().splitlines()[-1]}" for e in errs[1:]
+              if e[2].strip().splitlines()[-1] != last]
+    return msg + ("other ranks:\n" + "\n".join(others) if others else "")
+
+
+def run_scenarios(ws: int, names: Sequence[str], run_one: Callable,
+                  timeout: Union[float, Callable[[int], float]] = 120.0) -> Dict[str, tuple]:
+    """Runs ``run_one(name, rank, ws)`` for every name, in as few launches of
+    ``ws`` ranks as failures allow. Returns name -> ``("ok", [per-rank
+    result])`` or ``("err", text)``. ``timeout``: seconds per launch, or a
+    function of the number of scenarios in it."""
+    results: Dict[str, tuple] = {}
+    todo = list(names)
+    while todo:
+        outdir = tempfile.mkdtemp(prefix="fsdp_scenarios_")
+        try:
+            launch_err = None
+            t = timeout(len(todo)) if callable(timeout) else timeout
+            try:
+                run_distributed(_scenario_worker, ws, run_one, todo, outdir, timeout=t)
+            except DistributedError as e:
+                launch_err = e
+            for i, name in enumerate(todo):
+                got = [_read(_fname(outdir, i, r)) for r in range(ws)]
+                if all(g is not None and g[0] == "ok" for g in got):
+                    results[name] = ("ok", [g[1] for g in got])
+                    continue
+                results[name] = ("err", _failure(name, ws, got, launch_err))
+                todo = todo[i + 1:]
+                break
+            else:
+                if launch_err is not None:
+                    results[todo[-1]] = ("err", f"every scenario passed but the launch failed:\n"
+                                                f"{launch_err}")
+                todo = []
+        finally:
+            shutil.rmtree(outdir, ignore_errors=True)
+    return results
+
+
+class Scenarios:
+    """Named scenarios run per world size by :func:`run_scenarios`, each world
+    size launched once (the first test that asks) and cached."""
+
+    def __init__(self, run_one: Callable, timeout: Union[float, Callable[[int], float]] = 120.0,
+                 before_launch: Optional[Callable[[], None]] = None):
+        self.run_one, self.timeout, self.before_launch = run_one, timeout, before_launch
+        self._cache: Dict[int, Dict[str, tuple]] = {}
+
+    def outcome(self, ws: int, name: str, names: Sequence[str]) -> tuple:
+        """``("ok", [per-rank result])`` or ``("err", text)`` of ``name``; the
+        first call for ``ws`` runs every one of ``names``."""
+        if ws not in self._cache:
+            if self.before_launch is not None:
+                self.before_launch()
+            self._cache[ws] = run_scenarios(ws, names, self.run_one, self.timeout)
+        if name not in self._cache[ws]:  # not among the names launched together
+            self._cache[ws].update(run_scenarios(ws, [name], self.run_one, self.timeout))
+        return self._cache[ws][name]
+
+    def results(self, ws: int, name: str, names: Sequence[str]) -> list:
+        """The per-rank results of ``name``; the test fails with the root-cause
+        traceback if a rank raised."""
+        import pytest
+
+        status, val = self.outcome(ws, name, names)
+        if status != "ok":
+            pytest.fail(val, pytrace=False)
+        return val
+
+    def assert_no_problems(self, ws: int, name: str, names: Sequence[str],
+                           ignore: Callable[[str], bool] = lambda p: False) -> None:
+        """For a scenario that returns its problems (a list of lines): no rank
+        found any (but those ``ignore`` says are for information)."""
+        per_rank = self.results(ws, name, names)
+        bad = {r: [p for p in problems if not ignore(p)] for r, problems in enumerate(per_rank)}
+        lines = [f"rank {r}: {p}" for r, problems in bad.items() for p in problems[:12]]
+        assert not lines, f"{name!r}, world size {ws}:\n" + "\n".join(lines)
+
+
+def call_by_name(functions: Sequence[Callable], name: str, rank: int, ws: int):
+    """``Scenarios(functools.partial(call_by_name, FUNCTIONS))``: the scenarios
+    are functions ``fn(rank, world)``, named by their ``__name__``."""
+    return {fn.__name__: fn for fn in functions}[name](rank, ws)
