@@ -7,6 +7,7 @@
 """
 from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
+from ._divergence import DivergenceError
 from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, param_info,
                            register_fsdp_forward_method)
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
@@ -18,6 +19,7 @@ from ._torch_hooks import declare_optimizer
 
 __all__ = [
     "fully_shard",
+    "DivergenceError",
     "FSDPModule",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -98,6 +98,9 @@ ALIGN_BYTES = 16
 # more than the collective's latency (see [Note: parameters without a gradient]).
 INLINE_FLAGS_BYTES = 256 << 10
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# which collective a unit waits for, in a DivergenceError (see _divergence.py)
+_GATHER = "the all-gather of its parameters"
+_REDUCE = "the reduce-scatter of its gradients"
 
 
 def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
@@ -571,7 +574,8 @@ class FlatGroup:
         if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
             pf = self.post_forward
             self._alloc_flat()
-            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg)
+            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg,
+                                               (self.unit_fqn, _GATHER))
             self.state = ShardedState.UNSHARDING
             return
         self.unsharded_version = self.shard._version
@@ -587,7 +591,7 @@ class FlatGroup:
         if self.world == 1:
             self.state = ShardedState.UNSHARDED
             return
-        self._pending = streams.all_gather(self.flat_data, src, self.pg)
+        self._pending = streams.all_gather(self.flat_data, src, self.pg, (self.unit_fqn, _GATHER))
         self.state = ShardedState.UNSHARDING
 
     def gather_key(self) -> tuple | None:
@@ -699,11 +703,13 @@ class FlatGroup:
         # The flags' all-reduce is issued first: on CUDA the post-reduce (the
         # fold, which reads them) runs as soon as the reduce-scatter is issued.
         with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
-            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM,
+                                       (self.unit_fqn, "the all-reduce of its used-flags"))
         launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
                              post)
         launch.pending = streams.reduce_scatter(flat_grad, self.rs_pg, op, _fold_all([launch]),
-                                                self.replicate_pg is not None)
+                                                self.replicate_pg is not None,
+                                                (self.unit_fqn, _REDUCE))
         return launch
 
     def bucket_key(self) -> tuple:
@@ -764,9 +770,10 @@ class FlatGroup:
                 self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
                 return
             op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-            _collectives.all_reduce(out, op, self.replicate_pg)  # (inline: the flags too)
+            what = (self.unit_fqn, "the all-reduce of its gradient shards across replicas")
+            _collectives.all_reduce(out, op, self.replicate_pg, what)  # (inline: the flags too)
             if not used.inline:
-                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg)
+                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg, what)
         if used.inline:
             out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
         if post is not None:
@@ -849,7 +856,9 @@ def _launch_inline(groups: list[FlatGroup], streams: StreamManager) -> list[_Gra
                                     (at, at + n)))
         at += n
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, op, _fold_all(launches),
-                                     first.replicate_pg is not None)  # waited once, shared
+                                     first.replicate_pg is not None,  # waited once, shared
+                                     (first.unit_fqn, f"{_REDUCE} (a bucket of {len(groups)} "
+                                                      "groups from here on)"))
     for launch in launches:
         launch.pending = pending
     return launches
@@ -893,7 +902,8 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
         g._alloc_flat()
         streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
         at += g.shard_numel
-    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg), groups, buf)
+    what = (first.unit_fqn, f"{_GATHER} (a bucket of {len(groups)} groups from here on)")
+    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg, what), groups, buf)
     for g in groups:
         g._pending = Pending(work, ())
         g.state = ShardedState.UNSHARDING

@@ -74,10 +74,12 @@ reduced, and the user's own ``unshard()``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat
-from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
+from . import _compat, _divergence
+from ._common import (META_FIX, TrainingState, label, rank, root_setting_fix, trace,
+                      unit_error)
 from ._flat_group import gather_bucket, launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
@@ -158,11 +160,21 @@ class RootContext:
         self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
+        # the lazy-init and step checks of [Note: divergence] in _divergence.py
+        # (None: nothing communicates, set at lazy init)
+        self.checks: _divergence.StepChecks | None = None
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
-        if any(u.state is not TrainingState.IDLE for u in self.units):
+        if self.checks is not None:
+            _divergence.raise_if_stopped(self.root.fqn)
+        if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
+            if self.checks is not None:
+                self._left_half_done()  # raises
             self._abort_step()  # a previous backward raised before finishing
+        if self.checks is not None:
+            self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
+                               else _divergence.EVAL_FORWARD, *self._schedule_settings())
         self.in_training_forward = torch.is_grad_enabled()
         if self._new_step and torch.is_grad_enabled():  # eval forwards start no step
             self._new_step = False
@@ -271,6 +283,9 @@ class RootContext:
     # ----------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
         if not self._callback_queued:
+            if self.checks is not None:
+                _divergence.raise_if_stopped(self.root.fqn)
+                self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
             self.registry.set_order(list(self._step_order))
@@ -509,6 +524,57 @@ class RootContext:
         self._launched.clear()
         self._bucket, self._bucket_bytes, self._following = [], 0, None
 
+    # ---------------------------------------------------------------- divergence
+    def _schedule_settings(self) -> tuple:
+        """(settings, describe): what shapes a phase's collectives besides the
+        forward itself, as ints and bools only (hashed alike in every process),
+        and a function explaining them in lines (see [Note: divergence])."""
+        root, index = self.root, self.checks.index
+        settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
+                    root.is_last_backward, tuple(
+                        (u.requires_gradient_sync, u.reshard_after_forward,
+                         u.reshard_after_backward, u.unshard_in_backward,
+                         tuple(g.requires_grad for g in u.groups),
+                         tuple(g.requires_all_reduce for g in u.groups
+                               if g.replicate_pg is not None),
+                         _positions(index, u.forward_prefetch),
+                         _positions(index, u.backward_prefetch))
+                        for u in self.units))
+        names = self.checks.names
+
+        def describe() -> list[str]:
+            depth, rs_bytes, ag_bytes, last, per = settings
+            return [_where(names, per, lambda s: not s[0], "set_requires_gradient_sync(False)"),
+                    _where(names, per, lambda s: False in s[5], "set_requires_all_reduce(False)"),
+                    _where(names, per, lambda s: not s[1], "reshard_after_forward False"),
+                    _where(names, per, lambda s: not s[2], "set_reshard_after_backward(False)"),
+                    _where(names, per, lambda s: not s[3], "set_unshard_in_backward(False)"),
+                    _where(names, per, lambda s: False in s[4], "frozen parameter groups"),
+                    _where(names, per, lambda s: s[6] != -1 or s[7] != -1,
+                           "explicit prefetch (set_modules_to_*_prefetch)"),
+                    f"root: prefetch depth {depth}, reduce-scatter bucket {rs_bytes} B, "
+                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}"]
+        return settings, describe
+
+    def _left_half_done(self) -> None:
+        """A step this rank left half-done (an exception inside its forward or
+        backward) cannot be matched by the others: stop, see [Note: divergence]."""
+        busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
+                if u.state is not TrainingState.IDLE]
+        where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
+        where = f"units not finished: {where}" if busy else "its backward did not finish"
+        _divergence.stop(f"rank {rank()} left a step half-done (an exception inside its "
+                         f"forward or backward; {where}) and stopped communicating")
+        raise unit_error(
+            self.root.fqn, "this rank left its last step half-done: an exception was raised "
+            f"inside its forward or backward ({where}) after some of the step's collectives. "
+            "The other ranks wait for the rest, so the ranks' collectives can no longer be "
+            "matched: every rank raises a DivergenceError.",
+            "Let an exception raised inside forward or backward end the job. To skip a bad "
+            "batch, decide before the forward, or raise between forward and backward, on "
+            "every rank alike (see the README, 'When ranks diverge').",
+            exc=_divergence.DivergenceError)
+
     def _abort_step(self) -> None:
         for launch in self._in_flight:  # never drop what a side stream still writes
             self.streams.abandon(launch.pending)
@@ -525,6 +591,17 @@ class RootContext:
 
 
 # ---------------------------------------------------------------------------
+def _positions(index: dict, units: list | None):
+    return -1 if units is None else tuple(index.get(v, -1) for v in units)
+
+
+def _where(names: list[str], per: tuple, pick, what: str) -> str:
+    hit = [n for n, s in zip(names, per) if pick(s)]
+    shown = ", ".join(f"'{n}'" for n in hit[:6]) + (f" and {len(hit) - 6} more"
+                                                     if len(hit) > 6 else "")
+    return f"{what} on: {shown or 'no unit'}"
+
+
 def _grad_bytes(unit: Unit) -> int:
     return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
 
@@ -578,12 +655,51 @@ def lazy_init_root(unit: Unit) -> None:
             # world size 1, no cast/offload: the "unsharded" flat IS the shard,
             # resharding frees nothing; skip the swap-out/swap-in per step
             u.reshard_after_forward = False
+    pgs = _check_groups(units)
+    if pgs:  # see [Note: divergence] in _divergence.py
+        for m in unit.modules:  # (removed with the unit's other hooks)
+            unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
+                                                             always_call=True))
+        ctx.checks = _divergence.StepChecks(unit.fqn, pgs, unit.device, units)
+        ctx.checks.lazy_init(_layout_lines(units))
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
     for u in passive:
         u.remove_forward_hooks()
     trace("lazy_init", unit.fqn, f"units={len(units)}"
           + (f", {len(passive)} without hooks" if passive else ""))
+
+
+def _forward_ended(unit: Unit):
+    def hook(module, args, output):
+        unit.forward_ended()
+    return torch.compiler.disable(hook, reason="fsdp_compose's forward hooks run eagerly")
+
+
+def _check_groups(units: list[Unit]) -> list:
+    """The process groups the units communicate on (HSDP: the replicas' too)."""
+    pgs: dict = {}
+    for u in units:
+        for g in u.groups:
+            for pg in (g.pg, g.replicate_pg):
+                if pg is not None and dist.get_world_size(pg) > 1:
+                    pgs.setdefault(pg, None)
+    return list(pgs)
+
+
+def _layout_lines(units: list[Unit]) -> list[str]:
+    """One line per unit: what every rank must have alike (the lazy-init check)."""
+    lines = []
+    for u in units:
+        parts = []
+        for g in u.groups:
+            params = ", ".join(f"{e.fqn} {tuple(e.shape)}" for e in g.entries)
+            pf = f", kept over {g.post_forward.size} after forward" if g.post_forward else ""
+            parts.append(f"{str(g.dtype).replace('torch.', '')}"
+                         f"{'' if g.requires_grad else ' frozen'} over {g.world} ranks{pf}: "
+                         f"{params}")
+        lines.append(f"unit '{u.fqn or '<root>'}': " + ("; ".join(parts) or "no parameters"))
+    return lines
 
 
 def _check_not_meta(root: Unit, units: list[Unit]) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _compat
+from . import _compat, _divergence
 from ._common import unit_error
 
 ELEMENTWISE = "elementwise"    # exact on any piece
@@ -92,7 +92,7 @@ def optimizer_kind(cls: type) -> str | None:
     return None
 
 
-# optimizer -> the parameter-list signature it was checked with
+# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -102,10 +102,17 @@ def _signature(opt: torch.optim.Optimizer) -> tuple:
 
 def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     sig = _signature(opt)
-    if _checked.get(opt) == sig:
-        return
-    _check_optimizer(opt)
-    _checked[opt] = sig
+    seen = _checked.get(opt)
+    if seen is None or seen[0] != sig:
+        _check_optimizer(opt)
+        seen = _checked[opt] = (sig, _holds_sharded(opt))
+    if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
+        _divergence.count_optimizer_step()
+
+
+def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
+    from ._fully_shard import _SHARDED
+    return any(p in _SHARDED for g in opt.param_groups for p in g["params"])
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:

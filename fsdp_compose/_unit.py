@@ -62,6 +62,7 @@ class Unit:
         self.ctx: RootContext | None = None
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
+        self._posted = False      # post_forward ran for the call ending now (see forward_ended)
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
         # Prefetch (read on the root): how many units to all-gather ahead, in
         # forward (last step's order) and backward (gather order). Bounds the
@@ -277,6 +278,7 @@ class Unit:
         if _compat.in_backward():  # see [Note: recomputation]
             return output
         self._forward_depth -= 1
+        self._posted = True
         if isinstance(output, torch.Tensor):  # fast path: skip the pytree walk
             outs = [output] if output.requires_grad else []
         else:
@@ -310,6 +312,17 @@ class Unit:
             self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
         return output
+
+    def forward_ended(self) -> None:
+        """After each forward of the root's modules, also one that raised (an
+        ``always_call`` hook, registered at lazy init after post_forward). A
+        forward that raised ran no post_forward: it is no longer running, but
+        its units stay in FORWARD, so the root's next forward runs its
+        pre-forward and finds the step left half-done (see
+        RootContext.root_pre_forward)."""
+        if not self._posted and not _compat.in_backward():
+            self._forward_depth = max(0, self._forward_depth - 1)
+        self._posted = False
 
     # ----------------------------------------------------------------- backward
     @_compat.outside_functorch
