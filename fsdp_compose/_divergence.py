@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
-from ._common import rank, unit_error
+from ._common import label, rank, unit_error
 
 
 class DivergenceError(RuntimeError):
@@ -93,6 +93,19 @@ optimizer_steps = 0
 def count_optimizer_step() -> None:
     global optimizer_steps
     optimizer_steps += 1
+
+
+# ---------------------------------------------------------------------------
+# Settings that shape the collective schedule: the FSDPModule setters and a
+# change of requires_grad say when they changed, so a root recomputes its
+# settings fingerprint only then (see RootContext._schedule_settings)
+# ---------------------------------------------------------------------------
+settings_generation = 0
+
+
+def settings_changed() -> None:
+    global settings_generation
+    settings_generation += 1
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +235,7 @@ class StepChecks:
 
     def __init__(self, fqn: str, pgs: list, device: torch.device, units: list):
         self.fqn = fqn
-        self.pgs = pgs
+        self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg))) for pg in pgs]
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
         self.device = device
@@ -235,7 +248,8 @@ class StepChecks:
     def lazy_init(self, layout: list[str]) -> None:
         """``layout``: one line per unit, what every rank must have alike."""
         vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK, 0, 0]
-        self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
+        with label("step_check", self.fqn):
+            self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
 
     def before(self, phase: int, settings: tuple, describe) -> None:
         """At the start of ``phase`` (FORWARD, EVAL_FORWARD, BACKWARD), before
@@ -258,7 +272,8 @@ class StepChecks:
             self.backwards += 1
         else:
             self.forwards += 1
-        self._issue(vec, lines)
+        with label("step_check", self.fqn):
+            self._issue(vec, lines)
 
     # ----------------------------------------------------------------------
     def _issue(self, vec: list[int], lines, wait_all: bool = False) -> None:
@@ -266,8 +281,7 @@ class StepChecks:
         compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
         n = len(vec)
         issued = []
-        for pg in self.pgs:
-            ranks = tuple(dist.get_process_group_ranks(pg))
+        for pg, ranks in self.pgs:
             count = _check_counts.get(ranks, 0)
             _check_counts[ranks] = count + 1
             check = (vec, lines, ranks, count)

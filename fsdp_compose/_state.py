@@ -163,6 +163,7 @@ class RootContext:
         # the lazy-init and step checks of [Note: divergence] in _divergence.py
         # (None: nothing communicates, set at lazy init)
         self.checks: _divergence.StepChecks | None = None
+        self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
@@ -528,7 +529,13 @@ class RootContext:
     def _schedule_settings(self) -> tuple:
         """(settings, describe): what shapes a phase's collectives besides the
         forward itself, as ints and bools only (hashed alike in every process),
-        and a function explaining them in lines (see [Note: divergence])."""
+        and a function explaining them in lines (see [Note: divergence]).
+        Recomputed only after a setter or a requires_grad change."""
+        if self._settings[0] != _divergence.settings_generation:
+            self._settings = (_divergence.settings_generation, self._make_settings())
+        return self._settings[1]
+
+    def _make_settings(self) -> tuple:
         root, index = self.root, self.checks.index
         settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
                     root.is_last_backward, tuple(

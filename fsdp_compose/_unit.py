@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import _compat
+from . import _compat, _divergence
 from ._common import ShardedState, TrainingState, label, trace, unit_error, weak_hook
 from ._flat_group import FlatGroup
 
@@ -90,6 +90,7 @@ class Unit:
         groups are direct may have changed."""
         self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
         self._ready.clear()
+        _divergence.settings_changed()
         for g in self.groups:
             if not g.direct:  # (registered on the flat whenever it requires grad)
                 g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
@@ -205,6 +206,7 @@ class Unit:
             changed |= g.sync_requires_grad()
         if changed:
             self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
+            _divergence.settings_changed()
 
     @staticmethod
     def _cast(dtype, tree):
