@@ -54,9 +54,22 @@ def comm_stats() -> CommStats:
 
 
 def reset_comm_stats() -> None:
-    global _stats
+    global _stats, _before_reset
+    _before_reset += _calls(_stats)
     _stats = CommStats()
 
+
+_before_reset = 0  # collectives counted before the last reset_comm_stats()
+
+
+def _calls(s: CommStats) -> int:
+    return s.all_gather_calls + s.reduce_scatter_calls + s.all_reduce_calls
+
+
+def issued() -> int:
+    """Collectives this process issued so far (reset_comm_stats() aside): where
+    a rank is in the sequence every rank issues alike."""
+    return _before_reset + _calls(_stats)
 
 
 def _nbytes(t: torch.Tensor) -> int:

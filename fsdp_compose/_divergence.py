@@ -54,6 +54,7 @@ import json
 import os
 import re
 import time
+import weakref
 import zlib
 from datetime import timedelta
 
@@ -138,16 +139,26 @@ def stopped_here() -> str | None:
 
 
 def peer_record() -> str | None:
-    """A record another rank posted, if any (one store round trip)."""
+    """A record another rank posted, if any (a store round trip per root):
+    one that stopped, or one that left a step half-done (see StepChecks.left)."""
     store = _store()
     if store is None:
         return None
     try:
         if store.check([_STOPPED_KEY]):
             return store.get(_STOPPED_KEY).decode(errors="replace")
+        for checks in list(_ROOTS):
+            key = checks.left_key("count")
+            if store.check([key]):
+                return (f"{_ranks(_left_ranks(store, checks))} left a step half-done (an "
+                        "exception inside its forward or backward)")
     except RuntimeError:
         return "the store's host (rank 0's process) is gone"
     return None
+
+
+def _left_ranks(store, checks) -> list[int]:
+    return [r for r in checks.members if store.check([checks.left_key(r)])]
 
 
 def raise_if_stopped(fqn: str) -> None:
@@ -228,20 +239,26 @@ def stable_hash(text: str) -> int:
 
 
 _check_counts: dict = {}  # process group ranks -> checks issued on it (store keys)
+_ROOTS: "weakref.WeakSet[StepChecks]" = weakref.WeakSet()  # read by peer_record
+AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the others' word
 
 
 class StepChecks:
     """A root's checks over the process groups its units communicate on."""
 
-    def __init__(self, fqn: str, pgs: list, device: torch.device, units: list):
+    def __init__(self, fqn: str, pgs: list, units: list):
         self.fqn = fqn
-        self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg))) for pg in pgs]
+        # [(process group, its ranks, the device of its tensors)]
+        self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg)), device)
+                    for pg, device in pgs]
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
-        self.device = device
-        self.cuda = device.type == "cuda"
         self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
         self._opt_seen = optimizer_steps
+        # every rank the checks reach, and the steps they left half-done together
+        self.members = sorted({r for _, ranks, _ in self.pgs for r in ranks})
+        self.left_together = 0
+        _ROOTS.add(self)
         self.forwards = 0   # root forwards since the last optimizer step
         self.backwards = 0  # backwards (outer) since the last optimizer step
 
@@ -275,19 +292,80 @@ class StepChecks:
         with label("step_check", self.fqn):
             self._issue(vec, lines)
 
+    def left_key(self, what) -> str:
+        members = ",".join(map(str, self.members))
+        return f"fsdp_compose/left/{self.fqn}/{members}/{self.left_together}/{what}"
+
+    def left(self, position: int, where: str) -> None:
+        """This rank left its last step half-done (an exception inside forward
+        or backward) after its ``position``-th collective. If every rank of the
+        checks' groups left it after the same collective, they are in step:
+        return (the caller drops the step, as with one rank). Otherwise (a rank
+        that did not leave it waits in a collective, sees this rank's word in
+        the store and stops; or the positions differ) raise. Bounded: a rank
+        that says nothing within AGREE_WAIT seconds counts as not having left."""
+        me = dist.get_rank()
+        store = _store()
+        if store is None:
+            self._left_error(where, position, "the others cannot be asked (no store)")
+        try:
+            store.set(self.left_key(me), str(position))
+            store.add(self.left_key("count"), 1)  # what the others' waits look for
+            keys = [self.left_key(r) for r in self.members]
+            deadline = time.monotonic() + AGREE_WAIT
+            while True:
+                try:
+                    store.wait(keys, SLICE)
+                    break
+                except RuntimeError:  # a slice went by: did a rank stop instead?
+                    if store.check([_STOPPED_KEY]):
+                        self._left_error(where, position,
+                                         store.get(_STOPPED_KEY).decode(errors="replace"))
+                    if time.monotonic() > deadline:
+                        silent = [r for r in self.members if not store.check([self.left_key(r)])]
+                        self._left_error(where, position, f"{_ranks(silent)} did not leave it "
+                                         f"(no word within {AGREE_WAIT:.0f} s)")
+            said = dict(zip(self.members, (int(v) for v in store.multi_get(keys))))
+        except RuntimeError as e:  # (DivergenceError is one: let it through)
+            if isinstance(e, DivergenceError):
+                raise
+            self._left_error(where, position, f"the store failed: {_first_line(e)}")
+        if len(set(said.values())) > 1:
+            by: dict[int, list[int]] = {}
+            for r, p in said.items():
+                by.setdefault(p, []).append(r)
+            self._left_error(where, position, "every rank left it, at different collectives: "
+                             + "; ".join(f"{_ranks(rs)} after #{p}"
+                                         for p, rs in sorted(by.items())))
+        self.left_together += 1  # every rank alike: in step, the next word goes elsewhere
+
+    def _left_error(self, where: str, position: int, why: str) -> None:
+        stop(f"rank {rank()} left a step half-done ({where}) after collective #{position} and "
+             "stopped communicating")
+        raise unit_error(
+            self.fqn, f"this rank left its last step half-done: an exception was raised inside "
+            f"its forward or backward ({where}) after some of the step's collectives, and not "
+            f"every rank left it at the same point ({why}). "
+            "The other ranks wait for the rest, so the ranks' collectives can no longer be "
+            "matched: every rank raises a DivergenceError.",
+            "Let an exception raised inside forward or backward end the job (or raise it on "
+            "every rank alike). To skip a bad batch on one rank, decide before the forward, "
+            "or raise between forward and backward on every rank alike (see the README, "
+            "'When ranks diverge').", exc=DivergenceError)
+
     # ----------------------------------------------------------------------
     def _issue(self, vec: list[int], lines, wait_all: bool = False) -> None:
         """All-reduce ``vec`` over each group; gloo: wait for all of them, then
         compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
         n = len(vec)
         issued = []
-        for pg, ranks in self.pgs:
+        for pg, ranks, device in self.pgs:
             count = _check_counts.get(ranks, 0)
             _check_counts[ranks] = count + 1
             check = (vec, lines, ranks, count)
             t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
-            if self.cuda:  # see the Note: read at a later check
-                t = t.to(self.device)
+            if device.type == "cuda":  # see the Note: read at a later check
+                t = t.to(device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)  # on the current stream
                 host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
                 host.copy_(t, non_blocking=True)

@@ -77,9 +77,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat, _divergence
-from ._common import (META_FIX, TrainingState, label, rank, root_setting_fix, trace,
-                      unit_error)
+from . import _collectives, _compat, _divergence
+from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket, launch_bucket
 from ._streams import StreamManager
 from ._unit import Unit
@@ -171,8 +170,8 @@ class RootContext:
             _divergence.raise_if_stopped(self.root.fqn)
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
             if self.checks is not None:
-                self._left_half_done()  # raises
-            self._abort_step()  # a previous backward raised before finishing
+                self._left_half_done()  # raises unless every rank left it alike
+            self._abort_step()  # a previous forward or backward raised before finishing
         if self.checks is not None:
             self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
                                else _divergence.EVAL_FORWARD, *self._schedule_settings())
@@ -564,23 +563,14 @@ class RootContext:
         return settings, describe
 
     def _left_half_done(self) -> None:
-        """A step this rank left half-done (an exception inside its forward or
-        backward) cannot be matched by the others: stop, see [Note: divergence]."""
+        """This rank left its last step half-done (an exception inside its
+        forward or backward): go on only if every rank left it at the same
+        collective, else raise (see [Note: divergence])."""
         busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
                 if u.state is not TrainingState.IDLE]
         where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
         where = f"units not finished: {where}" if busy else "its backward did not finish"
-        _divergence.stop(f"rank {rank()} left a step half-done (an exception inside its "
-                         f"forward or backward; {where}) and stopped communicating")
-        raise unit_error(
-            self.root.fqn, "this rank left its last step half-done: an exception was raised "
-            f"inside its forward or backward ({where}) after some of the step's collectives. "
-            "The other ranks wait for the rest, so the ranks' collectives can no longer be "
-            "matched: every rank raises a DivergenceError.",
-            "Let an exception raised inside forward or backward end the job. To skip a bad "
-            "batch, decide before the forward, or raise between forward and backward, on "
-            "every rank alike (see the README, 'When ranks diverge').",
-            exc=_divergence.DivergenceError)
+        self.checks.left(_collectives.issued(), where)
 
     def _abort_step(self) -> None:
         for launch in self._in_flight:  # never drop what a side stream still writes
@@ -667,7 +657,7 @@ def lazy_init_root(unit: Unit) -> None:
         for m in unit.modules:  # (removed with the unit's other hooks)
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
-        ctx.checks = _divergence.StepChecks(unit.fqn, pgs, unit.device, units)
+        ctx.checks = _divergence.StepChecks(unit.fqn, pgs, units)
         ctx.checks.lazy_init(_layout_lines(units))
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
@@ -684,14 +674,15 @@ def _forward_ended(unit: Unit):
 
 
 def _check_groups(units: list[Unit]) -> list:
-    """The process groups the units communicate on (HSDP: the replicas' too)."""
+    """[(process group, device)]: the groups the units communicate on (HSDP:
+    the replicas' too), each with the device its collectives run on."""
     pgs: dict = {}
     for u in units:
         for g in u.groups:
             for pg in (g.pg, g.replicate_pg):
                 if pg is not None and dist.get_world_size(pg) > 1:
-                    pgs.setdefault(pg, None)
-    return list(pgs)
+                    pgs.setdefault(pg, g.device)
+    return list(pgs.items())
 
 
 def _layout_lines(units: list[Unit]) -> list[str]:

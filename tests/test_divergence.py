@@ -116,19 +116,29 @@ def _scenario(rank: int, world: int, name: str) -> None:
                 continue
             opt.step()
             opt.zero_grad()
-    elif name in ("catch_in_forward", "catch_in_backward", "catch_all_and_linger"):
+    elif name in ("catch_in_forward", "catch_in_backward", "catch_all_and_linger",
+                  "every_rank_leaves_alike", "ranks_leave_apart"):
         # unit '2' raises inside its forward, or a hook in the middle of the backward
+        now = [0]
         inside = name != "catch_in_backward"
         linger = name == "catch_all_and_linger" and rank == last
-        model = _model(fail_at=2 if inside and rank == last else -1)
+        fails = rank == last or name == "every_rank_leaves_alike"
+        apart = name == "ranks_leave_apart"  # rank 0 inside unit '2', the others after '0'
+        model = _model(fail_at=2 if inside and (fails and not apart or apart and rank == 0)
+                       else -1)
+        if apart:  # one all-gather per unit: rank 0 has prefetched '3', the others not
+            model.set_all_gather_bucket_bytes(0)
+
+            def after_0(_module, _args, _out):
+                if rank != 0 and now[0] == 1:
+                    raise ValueError("deliberate failure after unit '0'")
+            model[0].register_forward_hook(after_0)
 
         def fail(_grad):
             raise ValueError("deliberate failure in a backward hook")
 
-        now = [0]
-
         def hook(_module, _args, out):
-            if not inside and rank == last and now[0] == 1:
+            if not inside and fails and now[0] == 1:
                 out.register_hook(fail)
         model[1].register_forward_hook(hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -145,6 +155,8 @@ def _scenario(rank: int, world: int, name: str) -> None:
         if linger and caught:  # the process stays: the others learn it from the store
             time.sleep(LINGER)
             raise caught[-1]
+        if name == "every_rank_leaves_alike":
+            return len(caught), _loss(model, _batch(rank, 9)).item()
     else:
         raise AssertionError(name)
 
@@ -262,3 +274,20 @@ def test_caught_exception_while_the_process_stays():
     assert "rank 1 left a step half-done" in outcomes[0].message, outcomes[0].message
     assert "Connection closed" not in outcomes[0].message, outcomes[0].message
     assert outcomes[0].seconds < outcomes[1].seconds - LINGER / 2, outcomes
+
+
+def test_every_rank_leaves_a_step_alike_and_goes_on():
+    """Every rank raises inside the same forward and skips the step: they left
+    it after the same collective, so training goes on (as with one rank)."""
+    outcomes = _outcomes("every_rank_leaves_alike", 2)
+    assert [o.kind for o in outcomes] == ["ok", "ok"], [(o.kind, o.message) for o in outcomes]
+    assert [o.value[0] for o in outcomes] == [1, 1]
+
+
+def test_ranks_leave_a_step_at_different_points():
+    """Every rank leaves the step inside its forward, rank 0 after prefetching
+    unit '3' (no all-gather buckets), rank 1 before: their collectives no
+    longer match, both raise."""
+    outcomes = _outcomes("ranks_leave_apart", 2)
+    _assert_every_rank_raised(outcomes, "left its last step half-done",
+                              "at different collectives")
