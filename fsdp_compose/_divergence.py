@@ -33,10 +33,14 @@ what each rank did:
    every rank puts in its error. No further collective is issued.
 3. **Leaving through the store.** A rank that finds its last step left
    half-done (an exception inside forward or backward, caught by the user's
-   loop) cannot know which collectives the others are waiting in: it posts a
-   record to the store and raises, issuing nothing. Every wait for a gloo
+   loop) cannot know which collectives the others are waiting in: it posts
+   how many collectives it issued to the store, issuing nothing, and waits
+   for every rank's word. If every rank left the step after the same
+   collective (the same exception everywhere), they are in step and the step
+   is dropped, as with one rank; else it raises. Every wait for a gloo
    collective waits in slices of ``SLICE`` and reads the store between
-   slices; a collective that fails (a peer exited: gloo's connection error;
+   slices (a rank's word that it left a step is one); a collective that
+   fails (a peer exited: gloo's connection error;
    the process group's timeout) becomes our error, naming the unit and the
    collective. Every ``DivergenceError`` posts its record, and a rank that
    raised one raises again at its next step without communicating.
@@ -192,17 +196,25 @@ def wait(work) -> None:
         try:
             work.wait(SLICE)
             return
-        except RuntimeError as e:
-            if work.is_completed():  # it failed: a peer exited, or the group's timeout
-                record = peer_record()
-                reason = f"{type(e).__name__}: {_first_line(e)}"
-                if record is not None:
-                    reason += f"; {record}"
-                else:
-                    reason += ("; another rank has probably exited or stopped outside "
-                               "fsdp_compose: its own error is in its log")
-                stop(f"rank {rank()} stopped: a collective it waited for failed")
-                raise CollectiveStopped(reason) from e
+        except RuntimeError:
+            if work.is_completed():  # done since the slice ended, or failed
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as e:  # failed: a peer exited, or the group's timeout
+                    failure = e
+            else:
+                failure = None
+        if failure is not None:
+            record = peer_record()
+            reason = f"{type(failure).__name__}: {_first_line(failure)}"
+            if record is not None:
+                reason += f"; {record}"
+            else:
+                reason += ("; another rank has probably exited or stopped outside "
+                           "fsdp_compose: its own error is in its log")
+            stop(f"rank {rank()} stopped: a collective it waited for failed")
+            raise CollectiveStopped(reason) from failure
         record = peer_record()
         if record is not None:
             stop(f"rank {rank()} stopped: {record}")
@@ -370,7 +382,7 @@ class StepChecks:
                 host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(device))
                 self._unread.append((event, host, check))
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
@@ -436,6 +448,9 @@ _LAYOUT_FIX = ("Every rank must build the same model (the same parameters, shape
                "rank-dependent size, dtype or layer in the model's construction.")
 
 
+_LINES, _LINE = 256, 400  # what a rank posts at most: lines, characters per line
+
+
 def _explain(checks: list[tuple], lines: list[str]) -> str:
     """The lines that differ between ranks, and which ranks said what, for the
     first of ``checks`` ([(group ranks, check count)], the groups where this
@@ -448,9 +463,10 @@ def _explain(checks: list[tuple], lines: list[str]) -> str:
     if store is None:
         return mine
     prefixes = [f"fsdp_compose/check/{','.join(map(str, r))}/{c}" for r, c in checks]
+    posted = json.dumps([line[:_LINE] for line in lines[:_LINES]])  # bounded, at any scale
     try:
         for prefix in prefixes:
-            store.set(f"{prefix}/{me}", json.dumps(lines))
+            store.set(f"{prefix}/{me}", posted)
         for (ranks, _), prefix in zip(checks, prefixes):
             if ranks[0] == me:
                 store.set(f"{prefix}/summary", _summarize(ranks, _posted(store, prefix, ranks)))
