@@ -5,14 +5,18 @@
 
 One set of rank processes trains the shape's model (fsdp_compose on each
 block, then the root; AdamW; forward + MSE loss + backward + step +
-zero_grad). Rounds alternate the checks on and off in the same processes
-(on/off, off/on, on/off, ...), after warmup steps with the checks on. "off"
-is the code without them: no step check at root forwards and backward starts
-(``_divergence.STEP_CHECK``), and gloo works waited with a plain ``wait()``
-instead of in slices (``_divergence.wait``). The lazy-init check runs once,
-before the timing. Per round: the median step time of the slowest rank;
-reported: the median over rounds of each mode, and the median of the paired
-per-round ratios (on / off).
+zero_grad). Rounds rotate three modes in the same processes (the order
+rotates too), after warmup steps:
+  check  the step check at every root forward and backward start, and gloo
+         works waited in slices (``_divergence.wait``);
+  waits  the sliced waits only (the step check off);
+  off    neither: a plain ``wait()``, as before the checks existed.
+The lazy-init check runs once, before the timing. Per round and mode: the
+median step time of the slowest rank (wall) and of its process CPU time;
+reported: the median over rounds, and the median of the per-round ratios to
+"off" (paired: the modes of one round ran within a second of each other);
+and the time spent inside the step checks themselves, per step (a direct
+measure where the machine's noise hides a few percent).
 """
 from __future__ import annotations
 
@@ -50,6 +54,17 @@ def _worker_entry(cfg_path: str) -> None:
     data = make_data(shape, 0, rank, 1, torch.device("cpu"))
     x, y = data[0]
     sliced, plain = _divergence.wait, (lambda work: work.wait())
+    inside = [0.0, 0.0, 0]  # wall, CPU seconds inside the step checks; checks
+
+    def timed_before(self, *args, _real=_divergence.StepChecks.before):
+        if not self.enabled:
+            return _real(self, *args)
+        t0, c0 = time.perf_counter(), time.process_time()
+        _real(self, *args)
+        inside[0] += time.perf_counter() - t0
+        inside[1] += time.process_time() - c0
+        inside[2] += 1
+    _divergence.StepChecks.before = timed_before
 
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -59,23 +74,26 @@ def _worker_entry(cfg_path: str) -> None:
         opt.zero_grad()
         return time.perf_counter() - t0, time.process_time() - c0
 
-    def set_checks(on: bool) -> None:
-        _divergence.STEP_CHECK = on
-        _divergence.wait = sliced if on else plain
+    def set_mode(mode: str) -> None:
+        model._fsdp_unit.ctx.checks.enabled = mode == "check"  # the root's (made at step 1)
+        _divergence.wait = plain if mode == "off" else sliced
 
+    modes = ("check", "waits", "off")
     for _ in range(cfg["warmup"]):
         step()
-    times = {"on": [], "off": [], "cpu_on": [], "cpu_off": []}
+    inside[:] = [0.0, 0.0, 0]
+    times = {k: [] for m in modes for k in (m, "cpu_" + m)}
     for r in range(cfg["rounds"]):
-        order = ("on", "off") if r % 2 == 0 else ("off", "on")
-        for mode in order:
-            set_checks(mode == "on")
+        for mode in modes[r % 3:] + modes[:r % 3]:
+            set_mode(mode)
             dist.barrier()
             ts = torch.tensor([step() for _ in range(cfg["steps"])])  # (steps, 2)
             dist.all_reduce(ts, op=dist.ReduceOp.MAX)  # the slowest rank, per step
             times[mode].append(statistics.median(ts[:, 0].tolist()))
             times["cpu_" + mode].append(statistics.median(ts[:, 1].tolist()))
-    set_checks(True)
+    steps = cfg["rounds"] * cfg["steps"]  # in check mode
+    times["inside"] = [inside[0] / steps, inside[1] / steps, inside[2] / steps]
+    set_mode("check")
     dist.destroy_process_group()
     write_result(cfg, rank, times)
 
@@ -84,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=list(SHAPES), default="overhead")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=20, help="on/off pairs")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round and mode")
+    p.add_argument("--rounds", type=int, default=60, help="rounds of the three modes")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round and mode")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
@@ -95,12 +113,19 @@ def main(argv: list[str] | None = None) -> int:
                     cfg, args.world_size, args.timeout, "divergence A/B")[0]
     print(f"shape {args.shape}, {args.world_size} gloo ranks, {args.rounds} rounds x "
           f"{args.steps} steps per mode (the slowest rank's step; median of round medians)")
-    for what, on_key, off_key in (("wall", "on", "off"), ("CPU (process)", "cpu_on", "cpu_off")):
-        on, off = statistics.median(res[on_key]), statistics.median(res[off_key])
-        ratios = [a / b for a, b in zip(res[on_key], res[off_key])]
-        print(f"{what:>13}: checks on {on * 1e3:8.3f} ms, off {off * 1e3:8.3f} ms, on / off "
-              f"{on / off:.4f}; paired per-round ratio: median {statistics.median(ratios):.4f} "
-              f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    for what, pre in (("wall", ""), ("CPU (process)", "cpu_")):
+        off = res[pre + "off"]
+        line = [f"{what:>13}: off {statistics.median(off) * 1e3:8.3f} ms"]
+        for mode in ("waits", "check"):
+            ratios = [a / b for a, b in zip(res[pre + mode], off)]
+            line.append(f"{mode} {statistics.median(res[pre + mode]) * 1e3:8.3f} ms (x"
+                        f"{statistics.median(ratios):.4f} paired, rounds {min(ratios):.2f}"
+                        f"-{max(ratios):.2f})")
+        print("; ".join(line))
+    wall, cpu, n = res["inside"]
+    print(f"inside the step checks (check mode, rank 0): {n:.1f} checks per step, "
+          f"{wall * 1e3:.3f} ms wall and {cpu * 1e3:.3f} ms CPU per step (the wall time "
+          "includes waiting for the slowest rank to reach the check)")
     return 0
 
 

@@ -16,7 +16,9 @@ what each rank did:
    fixed-size vector: the number of units and a hash of every unit's layout
    (FQNs, shapes, dtypes, requires_grad, shard sizes). Every rank gets the
    same result, so a mismatch is seen by all of them at once.
-2. **Step check.** The same fixed-size all-reduce at the start of each root
+2. **Step check** (a switch, off by default: it costs a collective round
+   trip per phase, 4-7% of a step on the overhead benchmark; see
+   docs/design.md). The same fixed-size all-reduce at the start of each root
    forward (training or eval) and at the first hook of each outer backward,
    before that phase's first collective: the phase, the optimizer steps so
    far (counted by the optimizer step pre-hook, over optimizers holding
@@ -40,9 +42,8 @@ what each rank did:
    is dropped, as with one rank; else it raises. Every wait for a gloo
    collective waits in slices of ``SLICE`` and reads the store between
    slices (a rank's word that it left a step is one); a collective that
-   fails (a peer exited: gloo's connection error;
-   the process group's timeout) becomes our error, naming the unit and the
-   collective. Every ``DivergenceError`` posts its record, and a rank that
+   fails (a peer exited: gloo's connection error; the process group's
+   timeout) becomes our error, naming the unit and the collective. Every ``DivergenceError`` posts its record, and a rank that
    raised one raises again at its next step without communicating.
 
 On CUDA (NCCL) waits do not block the CPU: the step check's result is copied
@@ -76,9 +77,15 @@ class DivergenceError(RuntimeError):
     again at its next step without communicating."""
 
 
-# The step check (2. in the Note) can be switched off for a run, e.g. to time it:
-# FSDP_COMPOSE_STEP_CHECK=0. The lazy-init check and the sliced waits stay.
-STEP_CHECK = os.environ.get("FSDP_COMPOSE_STEP_CHECK", "1") != "0"
+# The step check (2. in the Note): FSDP_COMPOSE_STEP_CHECK=1 / 0 turns it on /
+# off (read when a root initialises); unset: STEP_CHECK_DEFAULT. The lazy-init
+# check, the sliced waits and a step left half-done are always handled.
+STEP_CHECK_DEFAULT = False  # measured: docs/design.md, "Divergence"
+
+
+def step_check_enabled() -> bool:
+    value = os.environ.get("FSDP_COMPOSE_STEP_CHECK", "").strip()
+    return STEP_CHECK_DEFAULT if value == "" else value not in ("0", "false", "False")
 
 SLICE = timedelta(seconds=1)       # a blocked wait reads the store this often
 EXPLAIN_WAIT = timedelta(seconds=10)  # for the other ranks' lines on a mismatch
@@ -266,13 +273,14 @@ class StepChecks:
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
         self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
+        self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
         self._opt_seen = optimizer_steps
+        self.forwards = 0   # root forwards since the last optimizer step
+        self.backwards = 0  # backwards (outer) since the last optimizer step
         # every rank the checks reach, and the steps they left half-done together
         self.members = sorted({r for _, ranks, _ in self.pgs for r in ranks})
         self.left_together = 0
         _ROOTS.add(self)
-        self.forwards = 0   # root forwards since the last optimizer step
-        self.backwards = 0  # backwards (outer) since the last optimizer step
 
     def lazy_init(self, layout: list[str]) -> None:
         """``layout``: one line per unit, what every rank must have alike."""
@@ -285,7 +293,7 @@ class StepChecks:
         its first collective. ``settings``: the schedule settings (hashable,
         ints and bools only: the same hash in every process); ``describe()``
         explains them in lines, on a mismatch."""
-        if not STEP_CHECK:
+        if not self.enabled:
             return
         if self._opt_seen != optimizer_steps:
             self._opt_seen, self.forwards, self.backwards = optimizer_steps, 0, 0
@@ -377,7 +385,7 @@ class StepChecks:
             check = (vec, lines, ranks, count)
             t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
             if device.type == "cuda":  # see the Note: read at a later check
-                t = t.to(device)
+                t = t.pin_memory().to(device, non_blocking=True)  # (pageable: a stream sync)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)  # on the current stream
                 host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
                 host.copy_(t, non_blocking=True)
