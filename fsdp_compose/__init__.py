@@ -7,6 +7,7 @@
 """
 from ._collectives import comm_stats, reset_comm_stats
 from ._common import ShardedState, TrainingState, record_schedule
+from ._divergence import DivergenceError
 from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._fully_shard import fully_shard, param_info
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
@@ -19,6 +20,7 @@ from ._torch_hooks import declare_optimizer
 
 __all__ = [
     "fully_shard",
+    "DivergenceError",
     "FSDPModule",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -37,6 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from . import _divergence
 from ._common import group_backends
 from .api import CommStats
 
@@ -53,9 +54,22 @@ def comm_stats() -> CommStats:
 
 
 def reset_comm_stats() -> None:
-    global _stats
+    global _stats, _before_reset
+    _before_reset += _calls(_stats)
     _stats = CommStats()
 
+
+_before_reset = 0  # collectives counted before the last reset_comm_stats()
+
+
+def _calls(s: CommStats) -> int:
+    return s.all_gather_calls + s.reduce_scatter_calls + s.all_reduce_calls
+
+
+def issued() -> int:
+    """Collectives this process issued so far (reset_comm_stats() aside): where
+    a rank is in the sequence every rank issues alike."""
+    return _before_reset + _calls(_stats)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -78,14 +92,15 @@ def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
 
 class _Works:
     """Several works waited as one (an all-gather made of broadcasts); none:
-    already complete (``async_op=False``)."""
+    already complete (``async_op=False``). Only works that block the CPU (gloo,
+    CPU tensors): they are waited in slices (``_divergence.wait``)."""
 
     def __init__(self, works: list):
         self._works = works
 
     def wait(self) -> bool:
         for w in self._works:
-            w.wait()
+            _divergence.wait(w)
         self._works = []
         return True
 
@@ -100,7 +115,10 @@ class ReduceScatterWork:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            if self.output is None or self.output.device.type == "cpu":  # blocks the CPU
+                _divergence.wait(self._work)
+            else:
+                self._work.wait()
             self._work = None
             if self._finish is not None:
                 self.output, self._finish = self._finish(), None
@@ -161,7 +179,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     return ReduceScatterWork(work, None, finish)
 
 
-def all_reduce(tensor: torch.Tensor, op, group) -> None:
+def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> None:
     """All-reduce ``tensor`` in place, ``async_op=False`` (norms, flags, HSDP
     gradient shards: on CUDA inside the stream manager's all-reduce stream).
 
@@ -171,6 +189,15 @@ def all_reduce(tensor: torch.Tensor, op, group) -> None:
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
     device = _group_device(group, tensor.device)
+    if device == tensor.device and device.type == "cpu":  # blocks the CPU: in slices
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        try:
+            _divergence.wait(work)
+        except _divergence.CollectiveStopped as e:
+            if what is None:
+                raise
+            raise _divergence.collective_error(*what, e) from e
+        return
     if device == tensor.device:
         dist.all_reduce(tensor, op=op, group=group)
         return
@@ -194,4 +221,5 @@ def all_reduce_async(tensor: torch.Tensor, op, group):
     """In-place all-reduce, not waited (small tensors: the used-flags)."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return _Works([work]) if tensor.device.type == "cpu" else work

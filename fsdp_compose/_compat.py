@@ -54,6 +54,20 @@ def will_execute(node) -> bool:
     return torch._C._will_engine_execute_node(node)
 
 
+def default_store():
+    """The default process group's store (``init_process_group``'s, behind its prefix).
+
+    Why private: ranks that diverge need a channel outside the process group,
+    whose collectives are what no longer match (see [Note: divergence] in
+    _divergence.py); the default store is one every job already has, and
+    torch has no public getter for it. Raises ValueError without a default
+    process group.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 def checkpoint_region() -> int | None:
     """An id of the innermost non-reentrant activation-checkpoint region the
     caller's forward runs in (``torch.utils.checkpoint``, also under

@@ -97,6 +97,9 @@ from ._grad_path import GradientPath
 from ._param_entry import ParamEntry, make_entries
 from ._streams import Pending, StreamManager
 
+# which collective a unit waits for, in a DivergenceError (see _divergence.py)
+_GATHER = "the all-gather of its parameters"
+
 
 class FlatMode(Enum):
     """What a group's unsharded flat is (see [Note: world size 1])."""
@@ -371,7 +374,8 @@ class FlatGroup(GradientPath):
         if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
             pf = self.post_forward
             self._alloc_flat()
-            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg)
+            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg,
+                                               (self.unit_fqn, _GATHER))
             self.state = ShardedState.UNSHARDING
             return
         self.unsharded_version = self.shard._version
@@ -387,7 +391,7 @@ class FlatGroup(GradientPath):
         if self.mode is FlatMode.COPIED:  # (the copy is the whole flat)
             self.state = ShardedState.UNSHARDED
             return
-        self._pending = streams.all_gather(self.flat_data, src, self.pg)
+        self._pending = streams.all_gather(self.flat_data, src, self.pg, (self.unit_fqn, _GATHER))
         self.state = ShardedState.UNSHARDING
 
     def gather_key(self) -> tuple | None:
@@ -485,7 +489,8 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
         g._alloc_flat()
         streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
         at += g.shard_numel
-    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg), groups, buf)
+    what = (first.unit_fqn, f"{_GATHER} (a bucket of {len(groups)} groups from here on)")
+    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg, what), groups, buf)
     for g in groups:
         g._pending = Pending(work, ())
         g.state = ShardedState.UNSHARDING

@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn as nn
 
+from . import _divergence
 from ._common import RootSettings, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
@@ -104,6 +105,7 @@ class FSDPModule:
         for u in self._units(recurse):
             u.user_reshard_after_forward = bool(reshard_after_forward)
             u.reshard_after_forward = bool(reshard_after_forward)
+        _divergence.settings_changed()
 
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
@@ -118,6 +120,7 @@ class FSDPModule:
         """
         for u in self._units(recurse):
             u.requires_gradient_sync = bool(requires_gradient_sync)
+        _divergence.settings_changed()
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, gradients are reduce-scattered within the shard
@@ -127,6 +130,7 @@ class FSDPModule:
         for u in self._units(recurse):
             for g in u.groups:
                 g.requires_all_reduce = bool(requires_all_reduce)
+        _divergence.settings_changed()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, backward does not all-gather this unit's parameters: for
@@ -137,6 +141,7 @@ class FSDPModule:
         backward (activation checkpointing) still gathers them. Not recursive,
         as in FSDP2; every rank must use the same setting."""
         self._unit().unshard_in_backward = bool(unshard_in_backward)
+        _divergence.settings_changed()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -146,6 +151,7 @@ class FSDPModule:
         whose shard changed since it was gathered is gathered again."""
         for u in self._units(recurse):
             u.reshard_after_backward = bool(reshard_after_backward)
+        _divergence.settings_changed()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Call on the root. With False, the backward does not wait for its last
@@ -153,6 +159,7 @@ class FSDPModule:
         into ``p.grad`` by the next backward. Set True before the last
         microbatch's backward (its end makes every ``p.grad`` final)."""
         self._root_setting("set_is_last_backward").is_last_backward = bool(is_last_backward)
+        _divergence.settings_changed()
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
@@ -161,6 +168,7 @@ class FSDPModule:
         step's order). Every rank must pass the same list.
         """
         self._unit().forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+        _divergence.settings_changed()
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's backward starts.
@@ -169,6 +177,7 @@ class FSDPModule:
         unit w also gathers the units between this one and w in that order.
         """
         self._unit().backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+        _divergence.settings_changed()
 
     def set_overlap_reduce_scatter(self, overlap: bool) -> None:
         """Call on the root. True (default): a unit's reduce-scatter runs while
@@ -188,6 +197,7 @@ class FSDPModule:
         unit's gradient waits until its bucket is complete."""
         _check_bucket_bytes(self._unit(), nbytes)
         self._root_setting("set_reduce_scatter_bucket_bytes").bucket_bytes = nbytes
+        _divergence.settings_changed()
 
     def set_all_gather_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. All-gather consecutive units (in the last step's
@@ -201,6 +211,7 @@ class FSDPModule:
         gathers per unit."""
         _check_bucket_bytes(self._unit(), nbytes)
         self._root_setting("set_all_gather_bucket_bytes").gather_bucket_bytes = nbytes
+        _divergence.settings_changed()
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
@@ -213,6 +224,7 @@ class FSDPModule:
             raise unit_error(self._unit().fqn, f"prefetch depth must be an int >= 0, got "
                              f"{depth!r}.", exc=ValueError)
         self._root_setting("set_prefetch_depth").prefetch_depth = depth
+        _divergence.settings_changed()
 
 
 def _check_bucket_bytes(unit, nbytes) -> None:

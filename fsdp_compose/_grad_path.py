@@ -74,6 +74,8 @@ from ._streams import Pending, StreamManager
 # sends them in a tiny all-reduce of their own, where that copy would cost
 # more than the collective's latency (see [Note: parameters without a gradient]).
 INLINE_FLAGS_BYTES = 256 << 10
+# which collective a unit waits for, in a DivergenceError (see _divergence.py)
+_REDUCE = "the reduce-scatter of its gradients"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -270,11 +272,13 @@ class GradientPath:
         # The flags' all-reduce is issued first: on CUDA the post-reduce (the
         # fold, which reads them) runs as soon as the reduce-scatter is issued.
         with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
-            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM)
+            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM,
+                                       (self.unit_fqn, "the all-reduce of its used-flags"))
         launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
                              post)
         launch.pending = streams.reduce_scatter(taken.flat_grad, self.rs_pg, taken.op,
-                                                _fold_all([launch]), self.replicate_pg is not None)
+                                                _fold_all([launch]), self.replicate_pg is not None,
+                                                (self.unit_fqn, _REDUCE))
         return launch
 
     def bucket_key(self) -> tuple:
@@ -335,9 +339,10 @@ class GradientPath:
                 self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
                 return
             op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-            _collectives.all_reduce(out, op, self.replicate_pg)  # (inline: the flags too)
+            what = (self.unit_fqn, "the all-reduce of its gradient shards across replicas")
+            _collectives.all_reduce(out, op, self.replicate_pg, what)  # (inline: the flags too)
             if not used.inline:
-                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg)
+                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg, what)
         if used.inline:
             out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
         if post is not None:
@@ -413,7 +418,9 @@ def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_
                                     (at, at + n)))
         at += n
     pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, taken[0].op, _fold_all(launches),
-                                     first.replicate_pg is not None)  # waited once, shared
+                                     first.replicate_pg is not None,  # waited once, shared
+                                     (first.unit_fqn, f"{_REDUCE} (a bucket of {len(groups)} "
+                                                      "groups from here on)"))
     for launch in launches:
         launch.pending = pending
     return launches

@@ -74,9 +74,10 @@ reduced, and the user's own ``unshard()``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat
+from . import _collectives, _compat, _divergence
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket
 from ._grad_path import launch_bucket
@@ -154,11 +155,22 @@ class RootContext:
         self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
+        # the lazy-init and step checks of [Note: divergence] in _divergence.py
+        # (None: nothing communicates, set at lazy init)
+        self.checks: _divergence.StepChecks | None = None
+        self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self) -> None:
-        if any(u.state is not TrainingState.IDLE for u in self.units):
-            self._abort_step()  # a previous backward raised before finishing
+        if self.checks is not None:
+            _divergence.raise_if_stopped(self.root.fqn)
+        if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
+            if self.checks is not None:
+                self._left_half_done()  # raises unless every rank left it alike
+            self._abort_step()  # a previous forward or backward raised before finishing
+        if self.checks is not None:
+            self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
+                               else _divergence.EVAL_FORWARD, *self._schedule_settings())
         self.in_training_forward = torch.is_grad_enabled()
         if self._new_step and torch.is_grad_enabled():  # eval forwards start no step
             self._new_step = False
@@ -267,6 +279,9 @@ class RootContext:
     # ----------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
         if not self._callback_queued:
+            if self.checks is not None:
+                _divergence.raise_if_stopped(self.root.fqn)
+                self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
             self.forward_order.set_order(list(self._step_order))
@@ -505,6 +520,54 @@ class RootContext:
         self._launched.clear()
         self._bucket, self._bucket_bytes, self._following = [], 0, None
 
+    # ---------------------------------------------------------------- divergence
+    def _schedule_settings(self) -> tuple:
+        """(settings, describe): what shapes a phase's collectives besides the
+        forward itself, as ints and bools only (hashed alike in every process),
+        and a function explaining them in lines (see [Note: divergence]).
+        Recomputed only after a setter or a requires_grad change."""
+        if self._settings[0] != _divergence.settings_generation:
+            self._settings = (_divergence.settings_generation, self._make_settings())
+        return self._settings[1]
+
+    def _make_settings(self) -> tuple:
+        root, index = self.root, self.checks.index
+        settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
+                    root.is_last_backward, tuple(
+                        (u.requires_gradient_sync, u.reshard_after_forward,
+                         u.reshard_after_backward, u.unshard_in_backward,
+                         tuple(g.requires_grad for g in u.groups),
+                         tuple(g.requires_all_reduce for g in u.groups
+                               if g.replicate_pg is not None),
+                         _positions(index, u.forward_prefetch),
+                         _positions(index, u.backward_prefetch))
+                        for u in self.units))
+        names = self.checks.names
+
+        def describe() -> list[str]:
+            depth, rs_bytes, ag_bytes, last, per = settings
+            return [_where(names, per, lambda s: not s[0], "set_requires_gradient_sync(False)"),
+                    _where(names, per, lambda s: False in s[5], "set_requires_all_reduce(False)"),
+                    _where(names, per, lambda s: not s[1], "reshard_after_forward False"),
+                    _where(names, per, lambda s: not s[2], "set_reshard_after_backward(False)"),
+                    _where(names, per, lambda s: not s[3], "set_unshard_in_backward(False)"),
+                    _where(names, per, lambda s: False in s[4], "frozen parameter groups"),
+                    _where(names, per, lambda s: s[6] != -1 or s[7] != -1,
+                           "explicit prefetch (set_modules_to_*_prefetch)"),
+                    f"root: prefetch depth {depth}, reduce-scatter bucket {rs_bytes} B, "
+                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}"]
+        return settings, describe
+
+    def _left_half_done(self) -> None:
+        """This rank left its last step half-done (an exception inside its
+        forward or backward): go on only if every rank left it at the same
+        collective, else raise (see [Note: divergence])."""
+        busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
+                if u.state is not TrainingState.IDLE]
+        where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
+        where = f"units not finished: {where}" if busy else "its backward did not finish"
+        self.checks.left(_collectives.issued(), where)
+
     def _abort_step(self) -> None:
         for launch in self._in_flight:  # never drop what a side stream still writes
             self.streams.abandon(launch.pending)
@@ -521,6 +584,17 @@ class RootContext:
 
 
 # ---------------------------------------------------------------------------
+def _positions(index: dict, units: list | None):
+    return -1 if units is None else tuple(index.get(v, -1) for v in units)
+
+
+def _where(names: list[str], per: tuple, pick, what: str) -> str:
+    hit = [n for n, s in zip(names, per) if pick(s)]
+    shown = ", ".join(f"'{n}'" for n in hit[:6]) + (f" and {len(hit) - 6} more"
+                                                     if len(hit) > 6 else "")
+    return f"{what} on: {shown or 'no unit'}"
+
+
 def _grad_bytes(unit: Unit) -> int:
     return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
 
@@ -561,12 +635,52 @@ def lazy_init_root(unit: Unit) -> None:
             # world size 1, no cast/offload: the "unsharded" flat IS the shard,
             # resharding frees nothing; skip the swap-out/swap-in per step
             u.reshard_after_forward = False
+    pgs = _check_groups(units)
+    if pgs:  # see [Note: divergence] in _divergence.py
+        for m in unit.modules:  # (removed with the unit's other hooks)
+            unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
+                                                             always_call=True))
+        ctx.checks = _divergence.StepChecks(unit.fqn, pgs, units)
+        ctx.checks.lazy_init(_layout_lines(units))
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
     for u in passive:
         u.remove_forward_hooks()
     trace("lazy_init", unit.fqn, f"units={len(units)}"
           + (f", {len(passive)} without hooks" if passive else ""))
+
+
+def _forward_ended(unit: Unit):
+    def hook(module, args, output):
+        unit.forward_ended()
+    return torch.compiler.disable(hook, reason="fsdp_compose's forward hooks run eagerly")
+
+
+def _check_groups(units: list[Unit]) -> list:
+    """[(process group, device)]: the groups the units communicate on (HSDP:
+    the replicas' too), each with the device its collectives run on."""
+    pgs: dict = {}
+    for u in units:
+        for g in u.groups:
+            for pg in (g.pg, g.replicate_pg):
+                if pg is not None and dist.get_world_size(pg) > 1:
+                    pgs.setdefault(pg, g.device)
+    return list(pgs.items())
+
+
+def _layout_lines(units: list[Unit]) -> list[str]:
+    """One line per unit: what every rank must have alike (the lazy-init check)."""
+    lines = []
+    for u in units:
+        parts = []
+        for g in u.groups:
+            params = ", ".join(f"{e.fqn} {tuple(e.shape)}" for e in g.entries)
+            pf = f", kept over {g.post_forward.size} after forward" if g.post_forward else ""
+            parts.append(f"{str(g.dtype).replace('torch.', '')}"
+                         f"{'' if g.requires_grad else ' frozen'} over {g.world} ranks{pf}: "
+                         f"{params}")
+        lines.append(f"unit '{u.fqn or '<root>'}': " + ("; ".join(parts) or "no parameters"))
+    return lines
 
 
 def _check_not_meta(root: Unit, units: list[Unit]) -> None:

@@ -65,16 +65,24 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _collectives
+from . import _collectives, _divergence
 
 
 class Pending(NamedTuple):
     work: object  # a dist.Work, or one of _collectives' works (ReduceScatterWork, ...)
     keep_alive: tuple  # tensors the collective reads or writes
+    what: tuple | None = None  # (unit fqn, which collective): named if it never completes
 
     def wait(self):
-        """Block until the data is there; a reduce-scatter returns its result."""
-        return self.work.wait()
+        """Block until the data is there; a reduce-scatter returns its result.
+        A collective that cannot complete (see [Note: divergence] in
+        _divergence.py) raises a DivergenceError naming the unit and collective."""
+        try:
+            return self.work.wait()
+        except _divergence.CollectiveStopped as e:
+            if self.what is None:
+                raise
+            raise _divergence.collective_error(*self.what, e) from e
 
 
 class CudaRuntime:
@@ -171,21 +179,22 @@ class StreamManager:
             done = stream.record_event()
         return _EventWork(rt, done, result)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group) -> Pending:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
+                   what: tuple | None = None) -> Pending:
         if self._rt is None:
-            return Pending(_collectives.all_gather(output, shard, group), (output, shard))
+            return Pending(_collectives.all_gather(output, shard, group), (output, shard), what)
         work = self._on(self.all_gather_stream,
                         lambda: _collectives.all_gather(output, shard, group, async_op=False))
-        return Pending(work, (output, shard))
+        return Pending(work, (output, shard), what)
 
     def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
-                       then=None, all_reduce: bool = False) -> Pending:
+                       then=None, all_reduce: bool = False, what: tuple | None = None) -> Pending:
         """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
         run at once on a side stream (the all-reduce stream if ``all_reduce``),
         and the Pending's ``wait()`` orders the caller after it; on gloo it is
         ignored (the caller runs it after ``wait()``)."""
         if self._rt is None:
-            return Pending(_collectives.reduce_scatter(flat_grad, group, op), (flat_grad,))
+            return Pending(_collectives.reduce_scatter(flat_grad, group, op), (flat_grad,), what)
         # the output is allocated here, on the compute stream (see the Note)
         out = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size(group))
         self._held = []
@@ -202,17 +211,18 @@ class StreamManager:
                 then(out)
                 work = _EventWork(self._rt, stream.record_event(), out)
         held, self._held = tuple(self._held), []
-        return Pending(work, (flat_grad, out) + held)
+        return Pending(work, (flat_grad, out) + held, what)
 
-    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> Pending:
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
+                   what: tuple | None = None) -> Pending:
         """In place; small tensors that travel with the reduce-scatters (the
         used-flags of [Note: parameters without a gradient] in _grad_path.py),
         so on the reduce-scatter stream."""
         if self._rt is None:
-            return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,))
+            return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
         work = self._on(self.reduce_scatter_stream,
                         lambda: _collectives.all_reduce_async(tensor, op, group))
-        return Pending(work, (tensor,))
+        return Pending(work, (tensor,), what)
 
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:

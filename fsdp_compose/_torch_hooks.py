@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _compat
+from . import _compat, _divergence
 from ._common import rank as _rank, unit_error
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
 
@@ -93,7 +93,7 @@ def optimizer_kind(cls: type) -> str | None:
     return None
 
 
-# optimizer -> the parameter-list signature it was checked with
+# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -137,10 +137,16 @@ def check_no_replaced_params(optimizer) -> None:
 
 def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     sig = _signature(opt)
-    if _checked.get(opt) == sig:
-        return
-    _check_optimizer(opt)
-    _checked[opt] = sig
+    seen = _checked.get(opt)
+    if seen is None or seen[0] != sig:
+        _check_optimizer(opt)
+        seen = _checked[opt] = (sig, _holds_sharded(opt))
+    if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
+        _divergence.count_optimizer_step()
+
+
+def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
+    return any(p in SHARDED for g in opt.param_groups for p in g["params"])
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:

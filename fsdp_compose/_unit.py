@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import _compat
+from . import _compat, _divergence
 from ._common import (RootSettings, ShardedState, TrainingState, label, trace, unit_error,
                       weak_hook)
 from ._flat_group import FlatGroup
@@ -66,6 +66,7 @@ class Unit:
         self.ctx: RootContext | None = None
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
+        self._posted = False      # post_forward ran for the call ending now (see forward_ended)
         self.pinned = False       # unsharded by the user (FSDPModule.unshard)
         self.root_settings = RootSettings()  # read on the root only (RootContext.settings)
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
@@ -84,6 +85,7 @@ class Unit:
         groups are direct may have changed."""
         self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
         self._ready.clear()
+        _divergence.settings_changed()
         for g in self.groups:
             if not g.direct:  # (registered on the flat whenever it requires grad)
                 g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
@@ -198,6 +200,7 @@ class Unit:
             changed |= g.sync_requires_grad()
         if changed:
             self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
+            _divergence.settings_changed()
 
     @staticmethod
     def _cast(dtype, tree):
@@ -271,6 +274,7 @@ class Unit:
         if _compat.in_backward():  # see [Note: recomputation]
             return output
         self._forward_depth -= 1
+        self._posted = True
         if isinstance(output, torch.Tensor):  # fast path: skip the pytree walk
             outs = [output] if output.requires_grad else []
         else:
@@ -304,6 +308,17 @@ class Unit:
             self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
         return output
+
+    def forward_ended(self) -> None:
+        """After each forward of the root's modules, also one that raised (an
+        ``always_call`` hook, registered at lazy init after post_forward). A
+        forward that raised ran no post_forward: it is no longer running, but
+        its units stay in FORWARD, so the root's next forward runs its
+        pre-forward and finds the step left half-done (see
+        RootContext.root_pre_forward)."""
+        if not self._posted and not _compat.in_backward():
+            self._forward_depth = max(0, self._forward_depth - 1)
+        self._posted = False
 
     # ----------------------------------------------------------------- backward
     @_compat.outside_functorch

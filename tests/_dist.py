@@ -39,9 +39,10 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
-__all__ = ["DistributedError", "run_distributed", "free_port"]
+__all__ = ["DistributedError", "Outcome", "run_distributed", "run_distributed_outcomes",
+           "free_port"]
 
 #: gloo collective / rendezvous timeout inside the children.
 PG_TIMEOUT = timedelta(seconds=60)
@@ -115,7 +116,8 @@ def _child(rank: int, world_size: int, port: int, workdir: str, dump_at: float,
         pickle.dumps(out)  # fail here, with a clear message, if unpicklable
         payload = ("ok", out)
     except BaseException as e:  # noqa: BLE001 - everything goes to the parent
-        payload = ("err", fail_ts or time.time(), type(e).__name__, traceback.format_exc())
+        payload = ("err", fail_ts or time.time(), type(e).__name__, traceback.format_exc(),
+                   str(e))
     faulthandler.cancel_dump_traceback_later()
     stack_file.close()
     try:
@@ -152,7 +154,7 @@ def _kill(procs) -> None:
         p.join(5)
 
 
-def _launch(fn, world_size, args, timeout, grace, start_method):
+def _launch(fn, world_size, args, timeout, grace, start_method, ended=None):
     ctx = mp.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="fsdp_dist_")
     try:
@@ -179,6 +181,8 @@ def _launch(fn, world_size, args, timeout, grace, start_method):
                                f"rank {r} exited with code {p.exitcode} without a result "
                                f"(crash or signal)\n")
                     results[r] = res
+                    if ended is not None:
+                        ended[r] = time.monotonic() - t0
             done = [res is not None for res in results]
             if all(done):
                 break
@@ -281,3 +285,39 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if others:
         msg += "other ranks:\n" + "\n".join(others)
     raise DistributedError(msg, rank=rank, tb=tb, exc_type=etype)
+
+
+class Outcome(NamedTuple):
+    """How one rank ended (``run_distributed_outcomes``)."""
+
+    kind: str       # "ok", "err" (fn raised) or "died" (exited without a result)
+    exc_type: str   # the exception's class name ("" if ok)
+    message: str    # str(exception), or why the process died
+    tb: str         # the traceback text
+    seconds: float  # from the start of the launch to the rank's end
+    value: Any = None  # fn's return value if ok
+
+
+def run_distributed_outcomes(fn: Callable, world_size: int, *args: Any, timeout: float = 30.0,
+                             start_method: Optional[str] = None) -> List[Outcome]:
+    """Run ``fn`` like ``run_distributed``, but return how EVERY rank ended,
+    failures included, instead of raising the first failure: for tests where
+    every rank must fail (e.g. with the same error). No rank is killed because
+    another failed; if the ranks are not all done after ``timeout`` seconds
+    they are all killed and :class:`DistributedError` says where each one was.
+    """
+    start_method = start_method or _start_method()
+    if start_method == "fork":
+        _prewarm()
+    ended = [0.0] * world_size
+    results = _launch(fn, world_size, args, timeout, timeout, start_method, ended)
+    out = []
+    for r, res in enumerate(results):
+        if res[0] == "ok":
+            out.append(Outcome("ok", "", "", "", ended[r], res[1]))
+        elif res[2] == "ProcessDied":
+            out.append(Outcome("died", "", res[3].strip(), "", ended[r]))
+        else:
+            msg = res[4] if len(res) > 4 else res[3].strip().splitlines()[-1]
+            out.append(Outcome("err", res[2], msg, res[3], ended[r]))
+    return out

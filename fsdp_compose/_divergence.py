@@ -1,0 +1,529 @@
+"""Ranks that diverge: an error on every rank, in bounded time.
+
+[Note: divergence]
+Collectives pair by position: the n-th collective a rank issues on a process
+group meets the n-th of every other rank. When ranks do different things (a
+different number of forwards or backwards, different settings, different
+parameters, or one rank leaving a step after an exception) a rank's
+collective meets a different one elsewhere, or nobody: on gloo a size
+mismatch kills a process without a Python error, a missing peer blocks until
+the process group's timeout (30 min by default). Three mechanisms turn that
+into a ``DivergenceError`` on every rank, naming the unit, the collective and
+what each rank did:
+
+1. **Lazy-init check.** When a root initialises, one all-reduce (MAX over
+   ``[v, -v]``, so every rank learns each field's maximum and minimum) of a
+   fixed-size vector: the number of units and a hash of every unit's layout
+   (FQNs, shapes, dtypes, requires_grad, shard sizes). Every rank gets the
+   same result, so a mismatch is seen by all of them at once.
+2. **Step check** (a switch, off by default: it costs a collective round
+   trip per phase, 4-7% of a step on the overhead benchmark; see
+   docs/design.md). The same fixed-size all-reduce at the start of each root
+   forward (training or eval) and at the first hook of each outer backward,
+   before that phase's first collective: the phase, the optimizer steps so
+   far (counted by the optimizer step pre-hook, over optimizers holding
+   sharded parameters), the root forwards and backwards since the last
+   optimizer step, and a hash of the settings that shape the collective
+   schedule (gradient sync, HSDP all-reduce, trainable groups, resharding,
+   prefetch, buckets). Everything between two checks is a function of what
+   the check covers, so two ranks in different phases meet at the same
+   fixed-size collective instead of pairing it with a parameter all-gather,
+   see different vectors, and raise.
+   On a mismatch each rank posts a few lines on what it did to the default
+   store (``_compat.default_store``); the group's first rank reads them and
+   posts a summary (the lines that differ, and which ranks said what), which
+   every rank puts in its error. No further collective is issued.
+3. **Leaving through the store.** A rank that finds its last step left
+   half-done (an exception inside forward or backward, caught by the user's
+   loop) cannot know which collectives the others are waiting in: it posts
+   how many collectives it issued to the store, issuing nothing, and waits
+   for every rank's word. If every rank left the step after the same
+   collective (the same exception everywhere), they are in step and the step
+   is dropped, as with one rank; else it raises. Every wait for a gloo
+   collective waits in slices of ``SLICE`` and reads the store between
+   slices (a rank's word that it left a step is one); a collective that
+   fails (a peer exited: gloo's connection error; the process group's
+   timeout) becomes our error, naming the unit and the collective. Every ``DivergenceError`` posts its record, and a rank that
+   raised one raises again at its next step without communicating.
+
+On CUDA (NCCL) waits do not block the CPU: the step check's result is copied
+to the host behind an event and compared at the next check (or the one
+after: at most one check is left unread), so the CPU keeps running ahead. A
+rank blocked on the GPU is not seen by the CPU; there NCCL's watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the process group timeout) ends the
+process, see docs/design.md, "Divergence".
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import weakref
+import zlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+from ._common import label, rank, unit_error
+
+
+class DivergenceError(RuntimeError):
+    """The ranks of a job did different things (forwards, backwards, settings,
+    parameters), or one of them left a step half-done: their collectives can no
+    longer be matched. Raised on every rank; a rank that raised it raises it
+    again at its next step without communicating."""
+
+
+# The step check (2. in the Note): FSDP_COMPOSE_STEP_CHECK=1 / 0 turns it on /
+# off (read when a root initialises); unset: STEP_CHECK_DEFAULT. The lazy-init
+# check, the sliced waits and a step left half-done are always handled.
+STEP_CHECK_DEFAULT = False  # measured: docs/design.md, "Divergence"
+
+
+def step_check_enabled() -> bool:
+    value = os.environ.get("FSDP_COMPOSE_STEP_CHECK", "").strip()
+    return STEP_CHECK_DEFAULT if value == "" else value not in ("0", "false", "False")
+
+SLICE = timedelta(seconds=1)       # a blocked wait reads the store this often
+EXPLAIN_WAIT = timedelta(seconds=10)  # for the other ranks' lines on a mismatch
+_STOPPED_KEY = "fsdp_compose/stopped"
+
+LAZY_INIT, FORWARD, EVAL_FORWARD, BACKWARD = 0, 1, 2, 3
+PHASES = {LAZY_INIT: "lazy init", FORWARD: "a training forward",
+          EVAL_FORWARD: "a no-grad forward", BACKWARD: "a backward"}
+_MASK = (1 << 62) - 1  # hashes fit an int64 and its negation
+
+# ---------------------------------------------------------------------------
+# Optimizer steps over sharded parameters (written by _torch_hooks' step pre-hook)
+# ---------------------------------------------------------------------------
+optimizer_steps = 0
+
+
+def count_optimizer_step() -> None:
+    global optimizer_steps
+    optimizer_steps += 1
+
+
+# ---------------------------------------------------------------------------
+# Settings that shape the collective schedule: the FSDPModule setters and a
+# change of requires_grad say when they changed, so a root recomputes its
+# settings fingerprint only then (see RootContext._schedule_settings)
+# ---------------------------------------------------------------------------
+settings_generation = 0
+
+
+def settings_changed() -> None:
+    global settings_generation
+    settings_generation += 1
+
+
+# ---------------------------------------------------------------------------
+# The store: records of ranks that stopped (3. in the Note)
+# ---------------------------------------------------------------------------
+_stopped: dict = {}  # default process group -> this process's first record
+
+
+def _store():
+    try:
+        return _compat.default_store()
+    except (RuntimeError, ValueError):  # no default process group
+        return None
+
+
+def stop(record: str) -> None:
+    """This rank stops communicating: say why, to the other ranks and to later calls."""
+    _stopped.setdefault(dist.group.WORLD, record)
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_STOPPED_KEY, record)
+        except RuntimeError:  # the store's host (rank 0's process) is gone
+            pass
+
+
+def stopped_here() -> str | None:
+    """This process's record, if it stopped (raised a DivergenceError)."""
+    return _stopped.get(dist.group.WORLD) if dist.is_initialized() else None
+
+
+def peer_record() -> str | None:
+    """A record another rank posted, if any (a store round trip per root):
+    one that stopped, or one that left a step half-done (see StepChecks.left)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if store.check([_STOPPED_KEY]):
+            return store.get(_STOPPED_KEY).decode(errors="replace")
+        for checks in list(_ROOTS):
+            key = checks.left_key("count")
+            if store.check([key]):
+                return (f"{_ranks(_left_ranks(store, checks))} left a step half-done (an "
+                        "exception inside its forward or backward)")
+    except RuntimeError:
+        return "the store's host (rank 0's process) is gone"
+    return None
+
+
+def _left_ranks(store, checks) -> list[int]:
+    return [r for r in checks.members if store.check([checks.left_key(r)])]
+
+
+def raise_if_stopped(fqn: str) -> None:
+    record = stopped_here()
+    if record is not None:
+        raise unit_error(fqn, f"this rank stopped communicating after an earlier error "
+                         f"({record}); the ranks' collectives no longer match.",
+                         "Let the first DivergenceError end the job (on every rank).",
+                         exc=DivergenceError)
+
+
+# ---------------------------------------------------------------------------
+# Sliced waits (gloo: waiting blocks the CPU)
+# ---------------------------------------------------------------------------
+class CollectiveStopped(DivergenceError):
+    """A collective did not complete: a peer stopped, exited, or timed out.
+    ``reason`` says what is known; the caller names the unit and collective."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"fsdp_compose [rank {rank()}]: a collective did not complete: {reason}")
+        self.reason = reason
+
+
+def wait(work) -> None:
+    """``work.wait()`` for a collective that blocks the CPU (gloo), in slices:
+    between slices, read the store for a record of a rank that stopped. A
+    work whose slice timed out stays usable (gloo: ``wait(timeout)`` raises,
+    the collective goes on). Raises ``CollectiveStopped`` (and posts this
+    rank's record) if it failed or another rank stopped."""
+    while True:
+        try:
+            work.wait(SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():  # done since the slice ended, or failed
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as e:  # failed: a peer exited, or the group's timeout
+                    failure = e
+            else:
+                failure = None
+        if failure is not None:
+            record = peer_record()
+            reason = f"{type(failure).__name__}: {_first_line(failure)}"
+            if record is not None:
+                reason += f"; {record}"
+            else:
+                reason += ("; another rank has probably exited or stopped outside "
+                           "fsdp_compose: its own error is in its log")
+            stop(f"rank {rank()} stopped: a collective it waited for failed")
+            raise CollectiveStopped(reason) from failure
+        record = peer_record()
+        if record is not None:
+            stop(f"rank {rank()} stopped: {record}")
+            raise CollectiveStopped(record)
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of a backend's error: its first sentence, without a source location."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip())
+    text = text.splitlines()[0] if text else ""
+    return text.split(". ")[0]
+
+
+def collective_error(fqn: str, what: str, e: CollectiveStopped) -> DivergenceError:
+    """``e`` as the error of unit ``fqn`` waiting for ``what``."""
+    return unit_error(fqn, f"waiting for {what}, which did not complete: {e.reason}.",
+                      _FIX, exc=DivergenceError)
+
+
+_FIX = ("Every rank must run the same forwards and backwards of the model between "
+        "optimizer steps, with the same settings (set_requires_gradient_sync, "
+        "set_requires_all_reduce, ...), and an exception inside forward or backward "
+        "must end the job: look for a rank-dependent branch in the training loop (an "
+        "extra microbatch, a forward for logging on one rank, an exception caught on "
+        "one rank). See the README, 'When ranks diverge'.")
+
+
+# ---------------------------------------------------------------------------
+# The checks (1. and 2. in the Note)
+# ---------------------------------------------------------------------------
+def stable_hash(text: str) -> int:
+    """A hash that is the same in every process (``hash(str)`` is salted)."""
+    return zlib.crc32(text.encode())
+
+
+_check_counts: dict = {}  # process group ranks -> checks issued on it (store keys)
+_ROOTS: "weakref.WeakSet[StepChecks]" = weakref.WeakSet()  # read by peer_record
+AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the others' word
+
+
+class StepChecks:
+    """A root's checks over the process groups its units communicate on."""
+
+    def __init__(self, fqn: str, pgs: list, units: list):
+        self.fqn = fqn
+        # [(process group, its ranks, the device of its tensors)]
+        self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg)), device)
+                    for pg, device in pgs]
+        self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
+        self.names = [u.fqn or "<root>" for u in units]
+        self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
+        self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
+        self._opt_seen = optimizer_steps
+        self.forwards = 0   # root forwards since the last optimizer step
+        self.backwards = 0  # backwards (outer) since the last optimizer step
+        # every rank the checks reach, and the steps they left half-done together
+        self.members = sorted({r for _, ranks, _ in self.pgs for r in ranks})
+        self.left_together = 0
+        _ROOTS.add(self)
+
+    def lazy_init(self, layout: list[str]) -> None:
+        """``layout``: one line per unit, what every rank must have alike."""
+        vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK, 0, 0]
+        with label("step_check", self.fqn):
+            self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
+
+    def before(self, phase: int, settings: tuple, describe) -> None:
+        """At the start of ``phase`` (FORWARD, EVAL_FORWARD, BACKWARD), before
+        its first collective. ``settings``: the schedule settings (hashable,
+        ints and bools only: the same hash in every process); ``describe()``
+        explains them in lines, on a mismatch."""
+        if not self.enabled:
+            return
+        if self._opt_seen != optimizer_steps:
+            self._opt_seen, self.forwards, self.backwards = optimizer_steps, 0, 0
+        steps, fwd, bwd = self._opt_seen, self.forwards, self.backwards
+        vec = [phase, steps, fwd, bwd, hash(settings) & _MASK]
+
+        def lines():
+            return [f"began {PHASES[phase]}",
+                    f"optimizer steps so far: {steps}",
+                    f"since the last optimizer step: {fwd} forward(s), {bwd} backward(s) "
+                    "of this model"] + describe()
+        if phase == BACKWARD:
+            self.backwards += 1
+        else:
+            self.forwards += 1
+        with label("step_check", self.fqn):
+            self._issue(vec, lines)
+
+    def left_key(self, what) -> str:
+        members = ",".join(map(str, self.members))
+        return f"fsdp_compose/left/{self.fqn}/{members}/{self.left_together}/{what}"
+
+    def left(self, position: int, where: str) -> None:
+        """This rank left its last step half-done (an exception inside forward
+        or backward) after its ``position``-th collective. If every rank of the
+        checks' groups left it after the same collective, they are in step:
+        return (the caller drops the step, as with one rank). Otherwise (a rank
+        that did not leave it waits in a collective, sees this rank's word in
+        the store and stops; or the positions differ) raise. Bounded: a rank
+        that says nothing within AGREE_WAIT seconds counts as not having left."""
+        me = dist.get_rank()
+        store = _store()
+        if store is None:
+            self._left_error(where, position, "the others cannot be asked (no store)")
+        try:
+            store.set(self.left_key(me), str(position))
+            store.add(self.left_key("count"), 1)  # what the others' waits look for
+            keys = [self.left_key(r) for r in self.members]
+            deadline = time.monotonic() + AGREE_WAIT
+            while True:
+                try:
+                    store.wait(keys, SLICE)
+                    break
+                except RuntimeError:  # a slice went by: did a rank stop instead?
+                    if store.check([_STOPPED_KEY]):
+                        self._left_error(where, position,
+                                         store.get(_STOPPED_KEY).decode(errors="replace"))
+                    if time.monotonic() > deadline:
+                        silent = [r for r in self.members if not store.check([self.left_key(r)])]
+                        self._left_error(where, position, f"{_ranks(silent)} did not leave it "
+                                         f"(no word within {AGREE_WAIT:.0f} s)")
+            said = dict(zip(self.members, (int(v) for v in store.multi_get(keys))))
+        except RuntimeError as e:  # (DivergenceError is one: let it through)
+            if isinstance(e, DivergenceError):
+                raise
+            self._left_error(where, position, f"the store failed: {_first_line(e)}")
+        if len(set(said.values())) > 1:
+            by: dict[int, list[int]] = {}
+            for r, p in said.items():
+                by.setdefault(p, []).append(r)
+            self._left_error(where, position, "every rank left it, at different collectives: "
+                             + "; ".join(f"{_ranks(rs)} after #{p}"
+                                         for p, rs in sorted(by.items())))
+        self.left_together += 1  # every rank alike: in step, the next word goes elsewhere
+
+    def _left_error(self, where: str, position: int, why: str) -> None:
+        stop(f"rank {rank()} left a step half-done ({where}) after collective #{position} and "
+             "stopped communicating")
+        raise unit_error(
+            self.fqn, f"this rank left its last step half-done: an exception was raised inside "
+            f"its forward or backward ({where}) after some of the step's collectives, and not "
+            f"every rank left it at the same point ({why}). "
+            "The other ranks wait for the rest, so the ranks' collectives can no longer be "
+            "matched: every rank raises a DivergenceError.",
+            "Let an exception raised inside forward or backward end the job (or raise it on "
+            "every rank alike). To skip a bad batch on one rank, decide before the forward, "
+            "or raise between forward and backward on every rank alike (see the README, "
+            "'When ranks diverge').", exc=DivergenceError)
+
+    # ----------------------------------------------------------------------
+    def _issue(self, vec: list[int], lines, wait_all: bool = False) -> None:
+        """All-reduce ``vec`` over each group; gloo: wait for all of them, then
+        compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
+        n = len(vec)
+        issued = []
+        for pg, ranks, device in self.pgs:
+            count = _check_counts.get(ranks, 0)
+            _check_counts[ranks] = count + 1
+            check = (vec, lines, ranks, count)
+            t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
+            if device.type == "cuda":  # see the Note: read at a later check
+                t = t.pin_memory().to(device, non_blocking=True)  # (pageable: a stream sync)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)  # on the current stream
+                host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._unread.append((event, host, check))
+                continue
+            issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
+                           t, check))
+        for work, _, _ in issued:
+            try:
+                wait(work)
+            except CollectiveStopped as e:
+                raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}", e) \
+                    from e
+        self._compare([(t.tolist(), check) for _, t, check in issued])
+        if self._unread:
+            self._read(keep=0 if wait_all else 1)
+
+    def _read(self, keep: int) -> None:
+        """Compare the CUDA checks whose results arrived; wait (in slices, reading
+        the store) until at most ``keep`` are left unread."""
+        while self._unread:
+            event, host, check = self._unread[0]
+            if not event.query():
+                if len(self._unread) <= keep:
+                    return
+                t0 = time.monotonic()
+                while not event.query():
+                    time.sleep(0.0005)
+                    if time.monotonic() - t0 > SLICE.total_seconds():
+                        record = peer_record()
+                        if record is not None:
+                            raise collective_error(
+                                self.fqn, f"the step check at {PHASES[check[0][0]]}",
+                                CollectiveStopped(record))
+                        t0 = time.monotonic()
+            self._unread.pop(0)
+            self._compare([(host.tolist(), check)])
+
+    def _compare(self, results: list) -> None:
+        """``results``: [(all-reduced [max, -min], check)] of one check over
+        each group. Raise if any group's ranks reported different things."""
+        bad = []
+        for out, check in results:
+            n = len(check[0])
+            if out[:n] != [-v for v in out[n:]]:
+                bad.append(check)
+        if not bad:
+            return
+        vec, lines = bad[0][0], bad[0][1]
+        summary = _explain([(ranks, count) for _, _, ranks, count in bad], lines())
+        ranks = bad[0][2]
+        what = "lazy init" if vec[0] == LAZY_INIT else "the start of a forward or backward"
+        fix = _LAYOUT_FIX if vec[0] == LAZY_INIT else _FIX
+        err = unit_error(
+            self.fqn, f"the ranks diverged. At the step check ({what}: one all-reduce of each "
+            f"rank's step fingerprint over ranks {list(ranks)}, before any collective of "
+            f"the phase) they reported different things:\n{summary}\n{fix}",
+            exc=DivergenceError)
+        stop(f"rank {rank()} stopped: its step check at {PHASES[vec[0]]} of unit "
+             f"'{self.fqn or '<root>'}' found the ranks diverged")
+        raise err
+
+
+_LAYOUT_FIX = ("Every rank must build the same model (the same parameters, shapes and "
+               "dtypes, in the same units) before the first forward: look for a "
+               "rank-dependent size, dtype or layer in the model's construction.")
+
+
+_LINES, _LINE = 256, 400  # what a rank posts at most: lines, characters per line
+
+
+def _explain(checks: list[tuple], lines: list[str]) -> str:
+    """The lines that differ between ranks, and which ranks said what, for the
+    first of ``checks`` ([(group ranks, check count)], the groups where this
+    rank saw a mismatch). Every rank posts its lines to the store for each of
+    them; the first rank of each group summarises (bounded waits: a rank that
+    never posts is reported as silent)."""
+    me = dist.get_rank()
+    mine = "\n".join(f"  rank {me}: {line}" for line in lines)
+    store = _store()
+    if store is None:
+        return mine
+    prefixes = [f"fsdp_compose/check/{','.join(map(str, r))}/{c}" for r, c in checks]
+    posted = json.dumps([line[:_LINE] for line in lines[:_LINES]])  # bounded, at any scale
+    try:
+        for prefix in prefixes:
+            store.set(f"{prefix}/{me}", posted)
+        for (ranks, _), prefix in zip(checks, prefixes):
+            if ranks[0] == me:
+                store.set(f"{prefix}/summary", _summarize(ranks, _posted(store, prefix, ranks)))
+        key = f"{prefixes[0]}/summary"
+        store.wait([key], EXPLAIN_WAIT + SLICE)
+        return store.get(key).decode()
+    except RuntimeError:  # the store's host is gone, or a summary never came
+        return mine + "\n  (the other ranks' lines could not be read)"
+
+
+def _posted(store, prefix: str, ranks: tuple) -> dict[int, list[str]]:
+    keys = [f"{prefix}/{r}" for r in ranks]
+    try:
+        store.wait(keys, EXPLAIN_WAIT)
+        return {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
+    except RuntimeError:  # some never posted: read the others one by one
+        return {r: json.loads(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
+
+
+def _summarize(ranks: tuple, got: dict[int, list[str]], most: int = 3) -> str:
+    """The first ``most`` lines that differ (the first line, what the ranks
+    began, always), each with which ranks said what."""
+    out = []
+    width = max((len(v) for v in got.values()), default=0)
+    shown = 0
+    for i in range(width):
+        said: dict[str, list[int]] = {}
+        for r in ranks:
+            if r in got:
+                v = got[r]
+                said.setdefault(v[i] if i < len(v) else "(nothing)", []).append(r)
+        if len(said) < 2:
+            if i == 0 and said:
+                out.append(f"  every rank: {next(iter(said))}")
+            continue
+        for line, who in said.items():
+            out.append(f"  {_ranks(who)}: {line}")
+        shown += 1
+        if shown == most:
+            break
+    silent = [r for r in ranks if r not in got]
+    if silent:
+        out.append(f"  {_ranks(silent)}: no answer (exited, or stuck elsewhere)")
+    if not out:
+        out.append("  (every rank's description is the same: the settings' hashes differ)")
+    return "\n".join(out)
+
+
+def _ranks(rs: list[int]) -> str:
+    if len(rs) > 8:
+        return f"ranks {rs[0]}..{rs[-1]} ({len(rs)} ranks)"
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))

@@ -1,0 +1,308 @@
+"""Ranks that diverge get a DivergenceError on every rank, within 30 s.
+
+Each scenario runs as its own set of gloo processes with a hard timeout
+(``run_distributed_outcomes``: every rank's outcome, no rank killed because
+another failed): a different number of forwards or backwards, different
+gradient-sync or HSDP all-reduce settings, different parameter shapes or
+dtypes, and an exception on one rank only (uncaught: that process exits;
+caught by the loop, which goes on). Every rank must end with our error (the
+exiting rank with its own), naming the unit, the collective and what the
+ranks did; none may hang. A different number of forwards or backwards,
+different settings and an exception caught between forward and backward
+need the step check (``STEP_CHECKED``: on through FSDP_COMPOSE_STEP_CHECK=1);
+the others hold with the defaults. See docs/design.md, "Divergence".
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_compose import fully_shard
+
+from ._dist import run_distributed_outcomes
+
+LIMIT = 30.0  # seconds, launch included
+LINGER = 10.0  # seconds a rank that caught every error stays alive
+
+
+class Scale(nn.Module):
+    def __init__(self, dim: int, dtype=torch.float32, fail_at: int = -1):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("deliberate failure inside a forward")
+        return x * self.w.to(x.dtype)
+
+
+def _model(out: int = 4, dtype=torch.float32, fail_at: int = -1, mesh=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Scale(16, dtype, fail_at),
+                          nn.Linear(16, out))
+    for m in (model[0], model[2], model[3]):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model, x):
+    return model(x)[:, :4].square().mean()
+
+
+def _train(model, rank: int, steps: int = 3, forwards=None, microbatches=None,
+           before=None, between=None):
+    """``steps`` optimizer steps; per step ``microbatches(step)`` backwards, each
+    of the sum of ``forwards(step)`` forwards; ``before(step)`` runs first,
+    ``between(step)`` after the forward(s)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        for _ in range(microbatches(step) if microbatches else 1):
+            x = _batch(rank, step)
+            loss = sum(_loss(model, x) for _ in range(forwards(step) if forwards else 1))
+            if between is not None:
+                between(step)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# Scenarios that need the step check (FSDP_COMPOSE_STEP_CHECK=1, off by default:
+# docs/design.md, "Divergence"); the others run with the defaults.
+STEP_CHECKED = {"extra_microbatch", "two_forwards", "gradient_sync", "all_reduce",
+                "catch_in_loss"}
+
+
+def _scenario(rank: int, world: int, name: str) -> None:
+    if name in STEP_CHECKED:  # (read when the root initialises)
+        os.environ["FSDP_COMPOSE_STEP_CHECK"] = "1"
+    else:
+        os.environ.pop("FSDP_COMPOSE_STEP_CHECK", None)
+    last = world - 1
+    if name == "extra_microbatch":  # the last rank runs 2 forward+backward per step
+        _train(_model(), rank, microbatches=lambda s: 2 if rank == last and s == 1 else 1)
+    elif name == "two_forwards":  # rank 0 runs 2 forwards before its backward
+        _train(_model(), rank, forwards=lambda s: 2 if rank == 0 and s == 1 else 1)
+    elif name == "gradient_sync":
+        model = _model()
+
+        def before(step):
+            if step == 1 and rank == last:
+                model.set_requires_gradient_sync(False)
+        _train(model, rank, before=before)
+    elif name == "all_reduce":  # HSDP, mesh (replicate 2, shard 2)
+        from torch.distributed.device_mesh import init_device_mesh
+        model = _model(mesh=init_device_mesh("cpu", (2, world // 2)))
+
+        def before(step):
+            if step == 1 and rank == last:
+                model.set_requires_all_reduce(False)
+        _train(model, rank, before=before)
+    elif name == "shape":
+        _train(_model(out=5 if rank == last else 4), rank)
+    elif name == "dtype":
+        _train(_model(dtype=torch.bfloat16 if rank == last else torch.float32), rank)
+    elif name in ("raise_in_loss", "catch_in_loss"):  # between forward and backward
+        catch = name == "catch_in_loss"
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            try:
+                loss = _loss(model, _batch(rank, step))
+                if step == 1 and rank == last:
+                    raise ValueError("deliberate failure in the loss")
+                loss.backward()
+            except ValueError:
+                if not catch:
+                    raise
+                continue
+            opt.step()
+            opt.zero_grad()
+    elif name in ("catch_in_forward", "catch_in_backward", "catch_all_and_linger",
+                  "every_rank_leaves_alike", "ranks_leave_apart"):
+        # unit '2' raises inside its forward, or a hook in the middle of the backward
+        now = [0]
+        inside = name != "catch_in_backward"
+        linger = name == "catch_all_and_linger" and rank == last
+        fails = rank == last or name == "every_rank_leaves_alike"
+        apart = name == "ranks_leave_apart"  # rank 0 inside unit '2', the others after '0'
+        model = _model(fail_at=2 if inside and (fails and not apart or apart and rank == 0)
+                       else -1)
+        if apart:  # one all-gather per unit: rank 0 has prefetched '3', the others not
+            model.set_all_gather_bucket_bytes(0)
+
+            def after_0(_module, _args, _out):
+                if rank != 0 and now[0] == 1:
+                    raise ValueError("deliberate failure after unit '0'")
+            model[0].register_forward_hook(after_0)
+
+        def fail(_grad):
+            raise ValueError("deliberate failure in a backward hook")
+
+        def hook(_module, _args, out):
+            if not inside and fails and now[0] == 1:
+                out.register_hook(fail)
+        model[1].register_forward_hook(hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        caught = []
+        for step in range(3):
+            now[0] = step
+            try:
+                _loss(model, _batch(rank, step)).backward()
+            except (Exception if linger else ValueError) as e:  # noqa: BLE001
+                caught.append(e)
+                continue
+            opt.step()
+            opt.zero_grad()
+        if linger and caught:  # the process stays: the others learn it from the store
+            time.sleep(LINGER)
+            raise caught[-1]
+        if name == "every_rank_leaves_alike":
+            return len(caught), _loss(model, _batch(rank, 9)).item()
+    else:
+        raise AssertionError(name)
+
+
+def _outcomes(name: str, world: int):
+    return run_distributed_outcomes(_scenario, world, name, timeout=LIMIT)
+
+
+def _assert_every_rank_raised(outcomes, *needles, own=None):
+    """Every rank ended with our DivergenceError (``own``: {rank: exception
+    class name} for ranks that end with their own error) within the limit, and
+    each message holds every needle."""
+    own = own or {}
+    for r, o in enumerate(outcomes):
+        assert o.seconds < LIMIT, (r, o.seconds)
+        if r in own:
+            assert o.kind == "err" and o.exc_type == own[r], (r, o)
+            continue
+        assert o.kind == "err" and o.exc_type == "DivergenceError", (r, o.kind, o.exc_type,
+                                                                     o.tb)
+        assert f"[rank {r}]" in o.message and "unit '" in o.message, (r, o.message)
+        for needle in needles:
+            assert needle in o.message, (r, needle, o.message)
+
+
+def _ranks(n: int) -> str:
+    return "rank 0" if n == 1 else "ranks " + ", ".join(map(str, range(n)))
+
+
+def _names_a_collective(message: str) -> bool:
+    return any(c in message for c in ("step check", "all-gather", "reduce-scatter",
+                                       "all-reduce"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_extra_microbatch_on_one_rank(world):
+    outcomes = _outcomes("extra_microbatch", world)
+    # the last rank's second microbatch of step 1 meets the others' step 2
+    _assert_every_rank_raised(outcomes, "step check", f"{_ranks(world - 1)}: optimizer steps "
+                              "so far: 2", f"rank {world - 1}: optimizer steps so far: 1",
+                              f"rank {world - 1}: since the last optimizer step: 1 forward(s), "
+                              "1 backward(s)")
+
+
+def test_two_forwards_before_backward_on_one_rank():
+    _assert_every_rank_raised(_outcomes("two_forwards", 2), "step check",
+                              "began a backward", "began a training forward")
+
+
+def test_gradient_sync_differs():
+    _assert_every_rank_raised(_outcomes("gradient_sync", 2), "step check",
+                              "set_requires_gradient_sync(False) on: no unit",
+                              "set_requires_gradient_sync(False) on: '<root>', '0'")
+
+
+def test_hsdp_all_reduce_differs():
+    outcomes = _outcomes("all_reduce", 4)
+    _assert_every_rank_raised(outcomes)
+    for o in outcomes:
+        assert _names_a_collective(o.message), o.message
+    # the replicas of rank 3 (rank 1) and its shard peer (rank 2) saw it at the check
+    for r in (1, 2, 3):
+        assert "set_requires_all_reduce(False) on: '0', '2', '3'" in outcomes[r].message
+
+
+def test_parameter_shapes_differ():
+    _assert_every_rank_raised(_outcomes("shape", 2), "step check (lazy init",
+                              "unit '3': float32 over 2 ranks: 3.weight (4, 16), 3.bias (4,)",
+                              "unit '3': float32 over 2 ranks: 3.weight (5, 16), 3.bias (5,)")
+
+
+def test_parameter_dtypes_differ():
+    _assert_every_rank_raised(_outcomes("dtype", 2), "step check (lazy init",
+                              "unit '2': float32", "unit '2': bfloat16")
+
+
+def test_uncaught_exception_on_one_rank():
+    """The raising rank exits with its own error; the other waits in its
+    backward's first collective and gets gloo's connection error, as ours."""
+    outcomes = _outcomes("raise_in_loss", 2)
+    _assert_every_rank_raised(outcomes, "Connection closed", own={1: "ValueError"})
+    assert _names_a_collective(outcomes[0].message), outcomes[0].message
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_caught_exception_between_forward_and_backward(world):
+    _assert_every_rank_raised(_outcomes("catch_in_loss", world), "step check",
+                              "began a backward", "began a training forward")
+
+
+def test_caught_exception_inside_forward():
+    outcomes = _outcomes("catch_in_forward", 2)
+    _assert_every_rank_raised(outcomes)
+    assert "left its last step half-done" in outcomes[1].message
+    assert "'2' (FORWARD)" in outcomes[1].message
+    assert _names_a_collective(outcomes[0].message) and "rank 1 left a step half-done" \
+        in outcomes[0].message, outcomes[0].message
+
+
+def test_caught_exception_inside_backward():
+    outcomes = _outcomes("catch_in_backward", 2)
+    _assert_every_rank_raised(outcomes)
+    assert "left its last step half-done" in outcomes[1].message
+    assert _names_a_collective(outcomes[0].message) and "rank 1 left a step half-done" \
+        in outcomes[0].message, outcomes[0].message
+
+
+def test_caught_exception_while_the_process_stays():
+    """The rank that left its step half-done catches every error (ours too: its
+    later forwards raise again without communicating) and stays alive: the
+    other rank, blocked in a collective, learns it from the store within a
+    slice, not from a closed connection."""
+    outcomes = _outcomes("catch_all_and_linger", 2)
+    _assert_every_rank_raised(outcomes)
+    assert "left its last step half-done" in outcomes[1].message
+    assert "rank 1 left a step half-done" in outcomes[0].message, outcomes[0].message
+    assert "Connection closed" not in outcomes[0].message, outcomes[0].message
+    assert outcomes[0].seconds < outcomes[1].seconds - LINGER / 2, outcomes
+
+
+def test_every_rank_leaves_a_step_alike_and_goes_on():
+    """Every rank raises inside the same forward and skips the step: they left
+    it after the same collective, so training goes on (as with one rank)."""
+    outcomes = _outcomes("every_rank_leaves_alike", 2)
+    assert [o.kind for o in outcomes] == ["ok", "ok"], [(o.kind, o.message) for o in outcomes]
+    assert [o.value[0] for o in outcomes] == [1, 1]
+
+
+def test_ranks_leave_a_step_at_different_points():
+    """Every rank leaves the step inside its forward, rank 0 after prefetching
+    unit '3' (no all-gather buckets), rank 1 before: their collectives no
+    longer match, both raise."""
+    outcomes = _outcomes("ranks_leave_apart", 2)
+    _assert_every_rank_raised(outcomes, "left its last step half-done",
+                              "at different collectives")
