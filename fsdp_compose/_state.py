@@ -531,7 +531,7 @@ class RootContext:
         return self._settings[1]
 
     def _make_settings(self) -> tuple:
-        root, index = self.root, self.checks.index
+        root, index = self.settings, self.checks.index
         settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
                     root.is_last_backward, tuple(
                         (u.requires_gradient_sync, u.reshard_after_forward,
