@@ -206,6 +206,20 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> No
     tensor.copy_(moved)
 
 
+def min_across(values: list[int], groups: list) -> list[int]:
+    """The element-wise minimum of ``values`` (int64) over the ranks of
+    ``groups``, all-reduced in one after the other, read back on the host (a
+    sync on CUDA): the forward-order agreement, see [Note: forward order] in
+    _state.py. Counted as all-reduces; issued on the current stream."""
+    t = torch.tensor(values, dtype=torch.int64)
+    for group in groups:
+        _stats.all_reduce_calls += 1
+        _stats.all_reduce_bytes += _nbytes(t)
+        t = t.to(_group_device(group, t.device))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return t.tolist()
+
+
 def _group_device(group, device: torch.device) -> torch.device:
     """``device`` if ``group`` has a backend for its type, else a device it has one for."""
     backends = group_backends(group)

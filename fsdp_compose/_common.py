@@ -46,6 +46,7 @@ class RootSettings:
     bucket_bytes: int = 1 << 20          # see set_reduce_scatter_bucket_bytes
     gather_bucket_bytes: int = 1 << 20   # see set_all_gather_bucket_bytes
     is_last_backward: bool = True        # False leaves the last reduce in flight
+    forward_order_dynamic: bool = False  # see set_forward_order_dynamic
     # names of the setters called on this unit: an error at lazy init unless
     # it became the root (see FSDPModule._root_setting)
     called: set[str] = field(default_factory=set)

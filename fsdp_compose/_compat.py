@@ -8,6 +8,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -84,6 +85,30 @@ def checkpoint_region() -> int | None:
     if hooks is None or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
         return None
     return id(hooks[0])
+
+
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def reentrant_checkpoint_region() -> int | None:
+    """An id of the innermost reentrant activation checkpoint
+    (``checkpoint(..., use_reentrant=True)``, also under ``checkpoint_wrapper``
+    and HF's gradient checkpointing) whose forward is running, else None.
+
+    Why private: a reentrant checkpoint runs its function under
+    ``torch.no_grad()`` inside ``CheckpointFunction.forward`` and leaves no
+    other trace (no saved-tensors hooks); its frame is found on the Python
+    stack (``sys._getframe``), and its ``ctx`` (alive until the backward) names
+    it. Asked only for units whose forward runs without grad inside a training
+    forward. Used like ``checkpoint_region``: the recompute gathers the
+    region's units before any of their gradients exists.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return id(frame.f_locals.get("ctx", frame))
+        frame = frame.f_back
+    return None
 
 
 def profiler_enabled() -> bool:

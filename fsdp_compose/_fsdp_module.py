@@ -213,6 +213,20 @@ class FSDPModule:
         self._root_setting("set_all_gather_bucket_bytes").gather_bucket_bytes = nbytes
         _divergence.settings_changed()
 
+    def set_forward_order_dynamic(self, dynamic: bool) -> None:
+        """Call on the root. Units may run on some ranks only (an expert no
+        token was routed to here, an ``if`` on data): every rank follows one
+        order of unit forwards, learned from the first training forward(s),
+        and a rank that skips a unit still takes part in its all-gathers where
+        the order has it. A model whose order changes by design (units that
+        run in another order, or more often, than learned; units not run in
+        any of the first training forwards) gets an error naming the unit.
+        With True, the ranks agree on the order in every forward instead: one
+        small all-reduce per unit forward start and end (a host sync each on
+        NCCL). Every rank must use the same setting."""
+        self._root_setting("set_forward_order_dynamic").forward_order_dynamic = bool(dynamic)
+        _divergence.settings_changed()
+
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
 
@@ -401,9 +415,9 @@ def add_forward_hooks(unit: Unit, m: nn.Module) -> None:
         m.register_forward_hook(_post_forward_hook(unit))]
 
 
-def _pre_forward_hook(unit: Unit):
+def _pre_forward_hook(unit: Unit, entry: str = "forward"):
     def hook(module, args, kwargs):
-        return unit.pre_forward(module, args, kwargs)
+        return unit.pre_forward(module, args, kwargs, entry)
     return torch.compiler.disable(hook, reason=_EAGER)  # see [Note: torch.compile]
 
 
@@ -428,7 +442,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise unit_error(unit.fqn, f"has no method {method_name!r}.",
                          "Pass the name of a method of the module.", exc=ValueError)
 
-    pre, post = _pre_forward_hook(unit), _post_forward_hook(unit)
+    # (a root forward through it follows its own forward order: see
+    # set_forward_order_dynamic)
+    pre, post = _pre_forward_hook(unit, method_name), _post_forward_hook(unit)
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):

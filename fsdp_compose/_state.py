@@ -48,8 +48,9 @@ sequence, a function of the forward alone (the same on every rank):
   last all-gather that must be issued before it. Unit u's gradient can need
   the all-gathers of every unit whose forward ended after u's first forward
   began (consumers of u's output; u itself), and of every unit in the same
-  non-reentrant checkpoint region (its recompute gathers them all before any
-  of their gradients exists). Its slot is the largest gather index among
+  checkpoint region (its recompute gathers them all before any of their
+  gradients exists; non-reentrant, or reentrant: no-grad islands whose forward
+  ran in one ``CheckpointFunction``). Its slot is the largest gather index among
   those, extended by what any of them prefetches (so a unit's backward
   prefetch is issued before its reduce-scatter, as FSDP2 does), and never
   before the slot of an earlier unit in the reduce order;
@@ -67,9 +68,52 @@ sequence, a function of the forward alone (the same on every rank):
   issues whatever is left, in the same sequence.
 
 Outside the sequence, as before (hook timing, equal on ranks whose graphs
-are equal): units inside a reentrant checkpoint (their forward ran without
-grad, so they are in neither order), a second gradient for a unit already
-reduced, and the user's own ``unshard()``.
+are equal): a second gradient for a unit already reduced, and the user's own
+``unshard()``. The part of a unit's gradient that a nested (reentrant
+checkpoint) backward brings is not reduced alone when the outer backward
+brings another part (asked of the engine at the unit's pre-backward): one
+reduce-scatter of the sum, whatever each rank's graph.
+
+[Note: forward order]
+Forward all-gathers are issued at pre-forward hooks, so a unit whose forward
+runs on some ranks only (an expert no token was routed to here, an ``if`` on
+data) would leave the ranks' all-gathers unpaired: a hang, a size mismatch, or
+silently wrong parameters where two units have the same size. So every rank
+follows ONE order of unit forwards, a sequence of events ``+u`` (u's forward
+starts: it is gathered) and ``-u`` (it ends), per kind of root forward (the
+method run, training or eval; an eval forward follows its method's training
+order once there is one):
+
+- *Follow* (the steady state; no collective of its own). At each of its own
+  events a rank finds the next such event in the order. The events before
+  it, which this rank skipped, it *catches up* first: a ``+v`` all-gathers v
+  (and its forward prefetch) as v's pre-forward would, a ``-v`` reshards v as
+  its post-forward would (a unit skipped here is gathered and freed at once
+  unless it keeps its parameters after forward), and both are recorded in the
+  step's bookkeeping (``_step_order``, the clocks, ``_in_orders`` when a
+  backward follows it elsewhere) at their place in the order. So the sharded
+  states, the forward prefetches and gather buckets (which walk the recorded
+  order), the backward's gather and reduce orders and slots are the same on
+  every rank; a unit skipped here gets no gradient here, and its
+  reduce-scatter is zero-filled (every rank gets the rank average, as DDP
+  with ``find_unused_parameters=True``). A rank whose event is not in the
+  rest of the order (a unit outside it, called more often, run after its
+  place passed, or nested otherwise) raises before any collective of its
+  own: it cannot go on alone.
+- *Agree* (a kind's first forwards, or every forward with
+  ``set_forward_order_dynamic(True)``). At each event the ranks all-reduce
+  (min) a code of the event each wants next (a ``+u``: u's index in module
+  order; a ``-u``: after every ``+``, innermost open unit first, with what
+  follows u's forward); every rank then does the winning event, catching it
+  up if it was not its own. A unit gathered for another rank's ``+v`` is held
+  (it may run here before its ``-v``). The agreed sequence is the same on
+  every rank by construction; a training forward then labels its checkpoint
+  regions (min all-reduces of each rank's labels until none lowers). Cost:
+  one 8-byte all-reduce per event (per group: shard, then replicate), a host
+  sync each on NCCL.
+- Learning: the agreed orders of a kind are merged (units missing from the
+  order are inserted where the newer order has them) until the order holds
+  every unit, or LEARNING_FORWARDS forwards agreed; then the kind follows.
 """
 from __future__ import annotations
 
@@ -80,13 +124,14 @@ import torch.nn as nn
 from . import _collectives, _compat, _divergence
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
 from ._flat_group import gather_bucket
+from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
 from ._grad_path import launch_bucket
 from ._registry import units_below
 from ._streams import StreamManager
 from ._unit import Unit
 
 
-class ForwardOrder:
+class LastStepOrder:
     """The units in the order of their first forward in the last training
     step (re-recorded every step, so a changed order is followed from the
     next step on). Forward prefetching walks it: ``next_units(u, n)`` are
@@ -109,14 +154,14 @@ class ForwardOrder:
 
     def __repr__(self) -> str:
         order = [u.fqn or "<root>" for u in self.execution_order]
-        return f"ForwardOrder({order})"
+        return f"LastStepOrder({order})"
 
 
 class RootContext:
     def __init__(self, root: Unit, units: list[Unit], device: torch.device):
         self.root = root
         self.units = units
-        self.forward_order = ForwardOrder()
+        self.last_step_order = LastStepOrder()
         self.settings = root.root_settings  # the model's settings (FSDPModule's root setters)
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
@@ -159,9 +204,15 @@ class RootContext:
         # (None: nothing communicates, set at lazy init)
         self.checks: _divergence.StepChecks | None = None
         self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
+        # the forward orders (see [Note: forward order]), per kind of root
+        # forward: (method, training)
+        self._orders: dict[tuple, _Learned] = {}
+        self._walk: _Walk | None = None         # the root forward now running
+        self._unit_index = {u: i for i, u in enumerate(units)}
+        self._order_pgs: tuple | None = None    # the groups the agreement all-reduces in
 
     # ------------------------------------------------------------------ forward
-    def root_pre_forward(self) -> None:
+    def root_pre_forward(self, entry: str = "forward") -> None:
         if self.checks is not None:
             _divergence.raise_if_stopped(self.root.fqn)
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
@@ -189,14 +240,200 @@ class RootContext:
                     if not u.kept_after_backward or u.is_stale():
                         u.reshard()
                 u.kept_after_backward = False
+        self._walk = None
+        if self.communicates:
+            learned = self._orders.setdefault((entry, self.in_training_forward), _Learned())
+            trained = self._orders.get((entry, True))
+            if not self.in_training_forward and trained is not None and not trained.learning():
+                follow = trained  # an eval forward follows the training order (see the Note)
+            else:
+                follow = learned
+            agree = self.settings.forward_order_dynamic or follow.learning()
+            self._walk = _Walk(ForwardOrder() if agree else follow.order, agree, self._clock,
+                               learned)
 
-    def record_forward(self, unit: Unit) -> None:
+    def record_forward(self, unit: Unit) -> bool:
+        """``unit``'s forward starts. Returns whether to all-gather it now
+        (False: it was gathered already, at its place in the forward order)."""
+        walk = self._walk
+        if walk is None:  # no root forward running (an inner unit called alone), or world 1
+            self._record_pre(unit)
+            region = self._region_here()
+            if region is not None:
+                self._regions.setdefault(unit, set()).add(region)
+            return True
+        if unit in walk.held:  # gathered at its place in the order: it runs here after all
+            del walk.held[unit]
+            walk.running.add(unit)
+            return False
+        j = self._agree(walk, True, unit) if walk.agree else self._follow(walk, True, unit)
+        walk.running.add(unit)
+        self._clock = walk.base + j
+        self._record_pre(unit)
+        if walk.agree and self.in_training_forward:
+            walk.seen[j] = self._region_here()
+        return True
+
+    def _region_here(self):
+        """The activation-checkpoint region a unit's forward starts in (see
+        _slot_of): a non-reentrant one's while grad is on, a reentrant one's
+        for a no-grad island of a training forward."""
+        if torch.is_grad_enabled():
+            return _compat.checkpoint_region()
+        return _compat.reentrant_checkpoint_region() if self.in_training_forward else None
+
+    def _record_pre(self, unit: Unit) -> None:
         self._step_order.setdefault(unit, None)
         self._clock += 1
         self._first_pre.setdefault(unit, self._clock)
-        region = _compat.checkpoint_region() if torch.is_grad_enabled() else None
-        if region is not None:
-            self._regions.setdefault(unit, set()).add(region)
+
+    def forward_end(self, unit: Unit, flag: int) -> None:
+        """``unit``'s forward ends (before its post-forward's reshard and
+        bookkeeping); ``flag``: what follows it (_forward_order.GRAD ...)."""
+        walk = self._walk
+        if walk is None:
+            return
+        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
+        walk.running.discard(unit)
+        self._clock = walk.base + j
+        if unit is self.root:
+            self._end_walk(walk)
+
+    # ---------------------------------------------------- the forward order
+    def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
+        """The index of this rank's event in the learned order, after catching
+        up the events before it that this rank skipped (see the Note)."""
+        order, i = walk.order, walk.next
+        if i < len(order) and order.units[i] is unit and order.pre[i] is pre:
+            walk.next = i + 1  # the common case: nothing skipped
+            return i
+        j = order.find(pre, unit, i)
+        blocked = None if j is None else order.blocked(i, j, walk.running)
+        if j is None or blocked is not None:  # (before any collective of the catch-up)
+            raise self._departure(walk, pre, unit, blocked)
+        for k in range(i, j):
+            self._catch_up(walk, k, order.pre[k], order.units[k], order.flag[k])
+        walk.next = j + 1
+        return j
+
+    def _agree(self, walk: "_Walk", pre: bool, unit: Unit, flag: int = NO_BACKWARD) -> int:
+        """Agree with the other ranks on the next event of the order (see the
+        Note); catch up the events agreed before this rank's own. Returns its index."""
+        order = walk.order
+        if pre and unit is self.root and not len(order):  # every rank's forward starts so
+            walk.open(0, unit)
+            return order.append(True, unit)
+        n = len(self.units)
+        want = (self._unit_index[unit] * 4 if pre
+                else (n + _OPEN_MAX - walk.opened[unit]) * 4 + 3 - flag)
+        while True:
+            got = self._min_across([want])[0]
+            q, r = divmod(got, 4)
+            if q < n:
+                e_pre, v, e_flag = True, self.units[q], NO_BACKWARD
+            else:
+                e_pre, v, e_flag = False, walk.open_at[_OPEN_MAX - (q - n)], 3 - r
+            j = order.append(e_pre, v, e_flag)
+            if e_pre:
+                walk.open(j, v)
+            else:
+                walk.close(v)
+            if v is unit and e_pre is pre:
+                return j
+            if not e_pre and v in walk.running:
+                raise unit_error(v.fqn, f"another rank ended this unit's forward while it still "
+                                 f"runs here, inside the forward of '{unit.fqn or '<root>'}': the "
+                                 "ranks nest their units' forwards differently. Agreed so far: "
+                                 f"{order.describe(len(order) - 1)}.", _ORDER_FIX)
+            self._catch_up(walk, j, e_pre, v, e_flag)
+
+    def _catch_up(self, walk: "_Walk", k: int, pre: bool, unit: Unit, flag: int) -> None:
+        """Event ``k`` of the order, which this rank skipped: take part in its
+        all-gathers (pre) or reshard as its post-forward would (post), and
+        record it where it is in the order."""
+        self._clock = walk.base + k
+        if pre:
+            self._record_pre(unit)
+            walk.held[unit] = k
+            unit.forward_skipped()
+            return
+        walk.held.pop(unit, None)
+        unit.forward_skipped_end(grad_follows=flag == GRAD and self.in_training_forward)
+        if self.in_training_forward and flag != NO_BACKWARD:
+            self._enter_orders(unit)  # no gradient here: zero-filled, see [Note: collective order]
+
+    def _end_walk(self, walk: "_Walk") -> None:
+        """The root's forward ends: label this forward's checkpoint regions
+        from the order, and keep what a training forward agreed on."""
+        self._walk = None
+        order = walk.order
+        if walk.agree:
+            if self.in_training_forward:
+                self._label_regions(walk)
+            walk.learned.add(order, self.units)
+        if not self.in_training_forward:
+            return
+        for k in range(len(order)):
+            if order.pre[k] and order.region[k] >= 0:  # rank-independent keys (see the Note)
+                self._regions.setdefault(order.units[k], set()).add((walk.base, order.region[k]))
+
+    def _label_regions(self, walk: "_Walk") -> None:
+        """Label each agreed pre event with its checkpoint region: the same
+        label on every rank for units whose forwards ran in one region on any
+        rank (the lowest index among them), -1 for none. Min all-reduces until
+        no rank lowers a label (one when no rank saw a region)."""
+        n = len(walk.order)
+        groups: dict = {}
+        for j, region in walk.seen.items():
+            if region is not None:
+                groups.setdefault(region, []).append(j)
+        labels, lowered = [_NO_REGION] * n, bool(groups)
+        for js in groups.values():
+            for j in js:
+                labels[j] = min(js)
+        while True:
+            got = self._min_across(labels + [-int(lowered)])
+            labels, lowered = got[:n], False
+            if got[n] == 0:
+                break
+            for js in groups.values():
+                low = min(labels[j] for j in js)
+                for j in js:
+                    lowered |= labels[j] != low
+                    labels[j] = low
+        walk.order.region = [-1 if x == _NO_REGION else x for x in labels]
+
+    def _min_across(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over every rank this root's units gather
+        with (the shard groups, then the replicate groups: HSDP)."""
+        if self._order_pgs is None:
+            shard, replicate = [], []
+            for u in self.units:
+                for g in u.groups:
+                    if g.world > 1 and g.pg not in shard:
+                        shard.append(g.pg)
+                    if g.replicate_pg is not None and g.replicate_pg not in replicate:
+                        replicate.append(g.replicate_pg)
+            self._order_pgs = (shard, replicate)
+        return self.streams.min_across(values, *self._order_pgs)
+
+    def _departure(self, walk: "_Walk", pre: bool, unit: Unit, blocked: int | None):
+        order = walk.order
+        what = "starts" if pre else "ends"
+        if blocked is None:
+            why = (f"its forward {what} here, but the forward order has no such event left "
+                   "(a unit outside the order, one called more often than in it, or one "
+                   "that runs after its place in the order has passed)")
+        else:
+            why = (f"its forward {what} here, but to reach that point of the forward order "
+                   f"this rank would pass over an event of '{order.units[blocked].fqn}', whose "
+                   "forward runs here now")
+        return unit_error(unit.fqn, f"{why}. Every rank follows one order of unit forwards "
+                          "(learned in the first forwards; a rank that skips a unit takes "
+                          "part in its all-gathers where the order has it): "
+                          f"{order.describe(walk.next)} (next: event {walk.next}; +unit: its "
+                          "forward starts, -unit: it ends). Going on would issue all-gathers "
+                          "in an order the other ranks do not.", _ORDER_FIX)
 
     def prefetch_forward(self, unit: Unit) -> None:
         """Issue the all-gathers of the units expected to run after ``unit``.
@@ -212,7 +449,7 @@ class RootContext:
             return
         targets = unit.forward_prefetch
         if targets is None:
-            targets = self.forward_order.next_units(unit, self.settings.prefetch_depth)
+            targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
             if not v.is_unsharded:
                 trace("prefetch", v.fqn, "forward")
@@ -232,7 +469,7 @@ class RootContext:
         if self._callback_queued:  # in backward
             pos, order = self._gather_positions(), self._gather_order
         elif self.in_training_forward:
-            pos, order = self.forward_order.position, self.forward_order.execution_order
+            pos, order = self.last_step_order.position, self.last_step_order.execution_order
         else:
             return False  # eval: nothing would reshard what a bucket fetched ahead
         i = pos.get(unit)
@@ -268,6 +505,9 @@ class RootContext:
         if not island:
             self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
             self._grad_follows[unit] = None
+        self._enter_orders(unit)
+
+    def _enter_orders(self, unit: Unit) -> None:
         self._in_orders.pop(unit, None)
         self._in_orders[unit] = None
         self._clock += 1
@@ -284,7 +524,7 @@ class RootContext:
                 self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
-            self.forward_order.set_order(list(self._step_order))
+            self.last_step_order.set_order(list(self._step_order))
             _compat.queue_final_callback(self._final_callback)
 
     def in_nested_backward(self) -> bool:
@@ -473,8 +713,19 @@ class RootContext:
             self._drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def finish_in_flight(self) -> None:
-        """Wait for the reduce-scatters in flight now: see [Note: gloo backward]."""
-        self._drain()
+        """Wait for the reduce-scatters in flight now: see [Note: gloo backward].
+        An HSDP reduction's all-reduce across replicas (issued by its fold, and
+        blocking on gloo) is left to the next drain, which the one sequence
+        places (see [Note: one order across communicators]): issued here, at a
+        moment of this rank's own graph, it could block while a replica waits
+        for an all-gather of this rank's shard group (a cycle across the groups
+        when units run on some ranks only)."""
+        for launch in self._in_flight:
+            if launch.group.replicate_pg is None:
+                launch.finish()
+            else:  # keep the output only: the flat gradient goes now, as it would
+                launch.pending = self.streams.ready(launch.pending.wait())
+        self._in_flight = [launch for launch in self._in_flight if not launch.done]
 
     def _drain(self) -> None:
         for launch in self._in_flight:
@@ -533,7 +784,7 @@ class RootContext:
     def _make_settings(self) -> tuple:
         root, index = self.settings, self.checks.index
         settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
-                    root.is_last_backward, tuple(
+                    root.is_last_backward, root.forward_order_dynamic, tuple(
                         (u.requires_gradient_sync, u.reshard_after_forward,
                          u.reshard_after_backward, u.unshard_in_backward,
                          tuple(g.requires_grad for g in u.groups),
@@ -593,6 +844,58 @@ def _where(names: list[str], per: tuple, pick, what: str) -> str:
     shown = ", ".join(f"'{n}'" for n in hit[:6]) + (f" and {len(hit) - 6} more"
                                                      if len(hit) > 6 else "")
     return f"{what} on: {shown or 'no unit'}"
+
+
+LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
+_OPEN_MAX = 1 << 40    # agreement codes of post events (see RootContext._agree)
+_NO_REGION = 1 << 62
+_ORDER_FIX = ("If the order of the units' forwards changes by design (not only units "
+              "skipped on some ranks), call set_forward_order_dynamic(True) on the root: the "
+              "ranks then agree on the order in every forward (one small all-reduce per unit "
+              "forward start and end).")
+
+
+class _Learned:
+    """The forward order learned for one kind of root forward (see [Note:
+    forward order]): the orders agreed on, merged, until it holds every unit
+    or LEARNING_FORWARDS forwards agreed."""
+
+    def __init__(self):
+        self.order: ForwardOrder | None = None
+        self.complete = False
+        self.forwards = 0
+
+    def learning(self) -> bool:
+        return self.order is None or (not self.complete and self.forwards < LEARNING_FORWARDS)
+
+    def add(self, order: ForwardOrder, units: list) -> None:
+        self.order = merged(self.order, order)
+        self.complete = self.order.covers(units)
+        self.forwards += 1
+
+
+class _Walk:
+    """One root forward, followed event by event (see [Note: forward order])."""
+
+    def __init__(self, order: ForwardOrder, agree: bool, base: int, learned: _Learned):
+        self.order = order    # the learned order, or (agree) the one agreed in this forward
+        self.agree = agree
+        self.learned = learned
+        self.next = 0         # (follow) the index of the next event expected
+        self.base = base      # the clock at the root's pre-forward: event k is at base + k + 1
+        self.running: set = set()   # units whose forward runs on this rank now
+        self.held: dict = {}        # units gathered for the order whose forward is not
+                                    # running here, their end not reached -> index of start
+        self.opened: dict = {}      # (agree) open units -> index of their start
+        self.open_at: dict = {}     # ... and back
+        self.seen: dict = {}        # (agree) start index -> this rank's checkpoint region
+
+    def open(self, j: int, unit) -> None:
+        self.opened[unit] = j
+        self.open_at[j] = unit
+
+    def close(self, unit) -> None:
+        del self.open_at[self.opened.pop(unit)]
 
 
 def _grad_bytes(unit: Unit) -> int:

@@ -203,9 +203,7 @@ class StreamManager:
                                                             async_op=False),
                         None if all_reduce else then)
         if all_reduce and then is not None:
-            if self._all_reduce_stream is None:
-                self._all_reduce_stream = self._rt.new_stream()
-            stream = self._all_reduce_stream
+            stream = self._all_reduce_side_stream()
             with self._rt.use(stream):
                 stream.wait_event(work.event)
                 then(out)
@@ -223,6 +221,27 @@ class StreamManager:
         work = self._on(self.reduce_scatter_stream,
                         lambda: _collectives.all_reduce_async(tensor, op, group))
         return Pending(work, (tensor,), what)
+
+    def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
+        """The element-wise minimum of ``values`` over the groups, read on the
+        host (the forward-order agreement, [Note: forward order] in _state.py).
+        On CUDA each group's on the stream of its other collectives (a shard
+        group's all-gathers, a replicate group's all-reduces): NCCL kernels of
+        one communicator on two streams could run concurrently and deadlock."""
+        if self._rt is None:
+            return _collectives.min_across(values, shard_groups + replicate_groups)
+        if shard_groups:
+            with self._rt.use(self.all_gather_stream):
+                values = _collectives.min_across(values, shard_groups)
+        if replicate_groups:
+            with self._rt.use(self._all_reduce_side_stream()):
+                values = _collectives.min_across(values, replicate_groups)
+        return values
+
+    def _all_reduce_side_stream(self):
+        if self._all_reduce_stream is None:
+            self._all_reduce_stream = self._rt.new_stream()
+        return self._all_reduce_stream
 
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:

@@ -29,6 +29,7 @@ from . import _compat, _divergence
 from ._common import (RootSettings, ShardedState, TrainingState, label, trace, unit_error,
                       weak_hook)
 from ._flat_group import FlatGroup
+from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
 if TYPE_CHECKING:
     from ._state import RootContext
@@ -76,6 +77,8 @@ class Unit:
         self.requires_gradient_sync = True
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
+        self._grad_in_outer = False  # ... the outer backward accumulates into its flat
+                                     # gradient (asked at its pre-backward)
         self._ready: set[FlatGroup] = set()  # trainable groups whose grad arrived this backward
         self.hook_groups()
 
@@ -165,7 +168,9 @@ class Unit:
                    for g in self.groups)
 
     # ------------------------------------------------------------------ forward
-    def pre_forward(self, module: nn.Module, args, kwargs):
+    def pre_forward(self, module: nn.Module, args, kwargs, entry: str = "forward"):
+        """``entry``: the method run (``forward``, or one registered with
+        register_fsdp_forward_method)."""
         ctx = self._ensure_ctx()
         if _compat.in_backward():  # see [Note: recomputation]
             trace("pre_forward_recompute", self.fqn, self.state.name)
@@ -178,15 +183,16 @@ class Unit:
             return self._cast(self._cast_inputs, (args, kwargs))
         if self._forward_depth == 0:
             if self.is_root:
-                ctx.root_pre_forward()
+                ctx.root_pre_forward(entry)
             self._assert_state(TrainingState.IDLE, where="pre_forward")
-            trace("pre_forward", self.fqn, self.state.name)
-            self._sync_requires_grad()
-            self.state = TrainingState.FORWARD
-            ctx.record_forward(self)
             with label("pre_forward", self.fqn), _compat.functorch_disabled():
-                self.unshard()
-                ctx.prefetch_forward(self)
+                gather = ctx.record_forward(self)  # (first: units skipped here, see _state.py)
+                trace("pre_forward", self.fqn, self.state.name)
+                self._sync_requires_grad()
+                self.state = TrainingState.FORWARD
+                if gather:
+                    self.unshard()
+                    ctx.prefetch_forward(self)
                 self._refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1
@@ -290,12 +296,22 @@ class Unit:
             self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
         if self._forward_depth > 0:  # another module of this unit is still running
             return output
-        trace("post_forward", self.fqn, self.state.name)
         grad_follows = torch.is_grad_enabled() and bool(outs)
+        island = not torch.is_grad_enabled() and self.ctx.in_training_forward
+        with _compat.functorch_disabled():  # (first: units skipped here, see _state.py)
+            self.ctx.forward_end(self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
+        trace("post_forward", self.fqn, self.state.name)
         if grad_follows:
             self.ctx.expect_backward(self)
-        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
+        elif island:
             self.ctx.expect_backward(self, island=True)  # see [Note: collective order]
+        self._reshard_after_forward(grad_follows)
+        if self.is_root:
+            self.ctx.in_training_forward = False
+        self.state = TrainingState.IDLE
+        return output
+
+    def _reshard_after_forward(self, grad_follows: bool) -> None:
         # An eval forward (no backward follows, and not inside a training
         # forward of the root, where a no-grad island is e.g. a reentrant
         # checkpoint whose recomputation wants the parameters) frees them
@@ -304,10 +320,22 @@ class Unit:
         if self.reshard_after_forward or not (grad_follows or in_training_step):
             with _compat.functorch_disabled():
                 self.reshard(to_post_forward=grad_follows)  # (reshard_after_forward=N)
-        if self.is_root:
-            self.ctx.in_training_forward = False
-        self.state = TrainingState.IDLE
-        return output
+
+    def forward_skipped(self) -> None:
+        """The forward order reaches this unit's forward, which runs on other
+        ranks but not (or not yet) here: take part in its all-gathers, and its
+        forward prefetch, as its pre-forward would (see [Note: forward order]
+        in _state.py)."""
+        trace("skipped", self.fqn, "all-gather")
+        self._sync_requires_grad()  # (whether it reduces must match the ranks it runs on)
+        with label("skipped", self.fqn):
+            self.unshard()
+            self.ctx.prefetch_forward(self)
+
+    def forward_skipped_end(self, grad_follows: bool) -> None:
+        """... and the order reaches its end: reshard as its post-forward would."""
+        trace("skipped", self.fqn, "end")
+        self._reshard_after_forward(grad_follows)
 
     def forward_ended(self) -> None:
         """After each forward of the root's modules, also one that raised (an
@@ -340,6 +368,9 @@ class Unit:
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
+        if not self.ctx.in_nested_backward():  # will the outer backward accumulate into it
+            self._grad_in_outer = any(_compat.will_execute(g.split_node.next_functions[0][0])
+                                      for g in self.trainable if g.split_node is not None)
         with label("pre_backward", self.fqn):
             self.ctx.unshard_for_backward(self, need=self.unshard_in_backward)
             self.wait_for_unshard()
@@ -352,10 +383,15 @@ class Unit:
         self._ready.add(group)
         if len(self._ready) < len(self.trainable):
             return
-        if self._uses_seen < self.uses and ctx.in_nested_backward():
+        if ctx.in_nested_backward() and (self._uses_seen < self.uses or self._grad_in_outer):
             # A reentrant checkpoint inside this unit: each use's gradient
-            # comes in its own nested backward. Uses are still to come, so
-            # this is a part: stay gathered, let flat.grad accumulate.
+            # comes in its own nested backward. Uses are still to come, or
+            # the outer backward brings a part too (parameters used outside
+            # the checkpoint), so this is a part: stay gathered, let
+            # flat.grad accumulate. (Reducing the part at once, and the rest
+            # again, would depend on each rank's graph: when a unit is
+            # skipped on another rank, the ranks issued different
+            # reduce-scatters.)
             trace("partial_grad", self.fqn, self.state.name)
             self._ready.clear()
             return
@@ -385,6 +421,7 @@ class Unit:
         self.pinned = False
         self.grads_hooked = False
         self._uses_seen = 0
+        self._grad_in_outer = False
         if self.reshard_after_backward:
             self.reshard()
         else:

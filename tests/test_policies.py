@@ -61,6 +61,19 @@ def _shard(model: Net, **kw) -> Net:
     return model
 
 
+# The first forward agrees on the forward order (docs/design.md, "Units skipped
+# on some ranks"): per group the ranks gather in (the shard group, and the
+# replicate group with HSDP), one min all-reduce per unit forward start and end
+# after the root's (Net: 5 units, 9) and one to label checkpoint regions.
+AGREE = 2 * 5 - 1 + 1
+
+
+def _agreed(want: list, groups: int = 1) -> list:
+    """``want`` (per step, per microbatch: calls) with step 0's first forward's agreement."""
+    (ag, rs, ar), *rest = want[0]
+    return [[(ag, rs, ar + AGREE * groups), *rest]] + list(want[1:])
+
+
 def _fp32_parity(rank, world, *, micro=1, model_kw=None, mesh=None, before_backward=None,
                  each_micro=None, after_forward=None, check_state=None, per_unit=False):
     """Train ours (global batch split over ranks) against one process."""
@@ -145,7 +158,8 @@ def hsdp(rank, world):
         # issues none); only the second all-reduces across replicas
         rs = 5 if shape[1] > 1 else 0
         ar = 5 if shape[0] > 1 else 0
-        want = [[(counts[0][0][0], rs, 0), (counts[0][1][0], rs, ar)]] * STEPS
+        want = _agreed([[(counts[0][0][0], rs, 0), (counts[0][1][0], rs, ar)]] * STEPS,
+                       groups=(shape[1] > 1) * (1 + (shape[0] > 1)))
         if counts != want:
             problems.append(f"mesh {shape}: counts {counts} != {want}")
         results += [f"mesh {shape}: {p}" for p in problems]
@@ -168,7 +182,7 @@ def reshard_to_2(rank, world):
     # root keeps its parameters (raf=2 applies to it too, so it is PARTIAL as well):
     # forward 5 all-gathers, backward 5 within the pairs (at 2 ranks: every unit,
     # the root too, gathered again in backward, as with True)
-    if counts != [[(10, 5, 0)]] * STEPS:
+    if counts != _agreed([[(10, 5, 0)]] * STEPS):
         problems.append(f"counts {counts}")
     return problems
 
@@ -184,7 +198,7 @@ def reshard_after_backward(rank, world):
     if world > 1:
         # first microbatch: 5 forward + 4 backward (root kept); then only the
         # 4 blocks' backward all-gathers (they reshard after forward)
-        want = [[(9, 0, 0), (4, 0, 0), (4, 0, 0), (4, 5, 0)]] * STEPS
+        want = _agreed([[(9, 0, 0), (4, 0, 0), (4, 0, 0), (4, 5, 0)]] * STEPS)
         if counts != want:
             problems.append(f"counts {counts} != {want}")
     return problems
@@ -281,7 +295,7 @@ def bucketed(rank, world):
             model.set_reduce_scatter_bucket_bytes(nbytes)
 
         problems, counts = _fp32_parity(rank, world, micro=2, each_micro=each)
-        want = [[(*first, 0), (*then, 0)]] + [[(*then, 0)] * 2] * (STEPS - 1)
+        want = _agreed([[(*first, 0), (*then, 0)]] + [[(*then, 0)] * 2] * (STEPS - 1))
         if world > 1 and counts != want:
             problems.append(f"counts per microbatch {counts}, want {want}")
         results += [f"bucket {nbytes}: {p}" for p in problems]
@@ -291,7 +305,7 @@ def bucketed(rank, world):
         problems, counts = _fp32_parity(rank, world, mesh=mesh)
         # one bucket per pass in the shard groups of 2; the replica all-reduce
         # is per flat group (5), not bucketed
-        want = [[(6, 1, 5)]] + [[(2, 1, 5)]] * (STEPS - 1)
+        want = _agreed([[(6, 1, 5)]] + [[(2, 1, 5)]] * (STEPS - 1), groups=2)
         if counts != want:
             problems.append(f"counts {counts}, want {want}")
         results += [f"hsdp: {p}" for p in problems]
