@@ -796,7 +796,7 @@ class RootContext:
         names = self.checks.names
 
         def describe() -> list[str]:
-            depth, rs_bytes, ag_bytes, last, per = settings
+            depth, rs_bytes, ag_bytes, last, dynamic, per = settings
             return [_where(names, per, lambda s: not s[0], "set_requires_gradient_sync(False)"),
                     _where(names, per, lambda s: False in s[5], "set_requires_all_reduce(False)"),
                     _where(names, per, lambda s: not s[1], "reshard_after_forward False"),
@@ -806,7 +806,8 @@ class RootContext:
                     _where(names, per, lambda s: s[6] != -1 or s[7] != -1,
                            "explicit prefetch (set_modules_to_*_prefetch)"),
                     f"root: prefetch depth {depth}, reduce-scatter bucket {rs_bytes} B, "
-                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}"]
+                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}, "
+                    f"forward_order_dynamic {dynamic}"]
         return settings, describe
 
     def _left_half_done(self) -> None:

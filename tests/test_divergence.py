@@ -251,7 +251,8 @@ def test_uncaught_exception_on_one_rank():
     """The raising rank exits with its own error; the other waits in its
     backward's first collective and gets gloo's connection error, as ours."""
     outcomes = _outcomes("raise_in_loss", 2)
-    _assert_every_rank_raised(outcomes, "Connection closed", own={1: "ValueError"})
+    # (gloo says "Connection closed by peer" or "Connection reset by peer")
+    _assert_every_rank_raised(outcomes, "probably exited", own={1: "ValueError"})
     assert _names_a_collective(outcomes[0].message), outcomes[0].message
 
 
