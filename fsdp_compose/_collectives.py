@@ -210,7 +210,7 @@ def min_across(values: list[int], groups: list) -> list[int]:
     """The element-wise minimum of ``values`` (int64) over the ranks of
     ``groups``, all-reduced in one after the other, read back on the host (a
     sync on CUDA): the forward-order agreement, see [Note: forward order] in
-    _state.py. Counted as all-reduces; issued on the current stream."""
+    _forward_walk.py. Counted as all-reduces; issued on the current stream."""
     t = torch.tensor(values, dtype=torch.int64)
     for group in groups:
         _stats.all_reduce_calls += 1

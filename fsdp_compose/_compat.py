@@ -78,7 +78,7 @@ def checkpoint_region() -> int | None:
     ``torch._C._autograd._top_saved_tensors_default_hooks``; a checkpoint
     region is told from other saved-tensors hooks (``save_on_cpu``, a user's)
     by its pack hook, a closure made per region in ``torch.utils.checkpoint``.
-    Used for the backward's collective order (see _state.py): the recompute of
+    Used for the backward's collective order (see _backward_schedule.py): the recompute of
     a region gathers all of its units before any of their gradients exists.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -132,7 +132,7 @@ class FlatGroup(GradientPath):
         self.requires_grad: bool = first.requires_grad
         self._trains: tuple[bool, ...] = (first.requires_grad,) * len(params)
         self.world, self.rank = world, rank
-        self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _state.py
+        self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _backward_schedule.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
         self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
         self.post_forward = post_forward

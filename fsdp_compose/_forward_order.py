@@ -1,6 +1,6 @@
 """The forward order: one rank-independent sequence of unit forwards.
 
-See [Note: forward order] in _state.py for how it is agreed on and followed.
+See [Note: forward order] in _forward_walk.py for how it is agreed on and followed.
 This file holds the value type only (no collectives, no unit state): the
 events of one root forward, in order, and how a later agreed forward's
 events are merged into it.

@@ -117,7 +117,7 @@ _RS_GROUPS: dict = {}
 def _reduce_scatter_group(pg):
     """A second process group over the same ranks, for reduce-scatters.
 
-    See [Note: collective order] in _state.py: all-gathers and reduce-scatters
+    See [Note: collective order] in _backward_schedule.py: all-gathers and reduce-scatters
     each follow their own rank-independent order, so they must not share a
     group. Created at fully_shard time (every member calls fully_shard in the
     same order); only the members take part.

@@ -6,114 +6,19 @@ FQN, checks the parameters, and builds the ``RootContext`` all units then
 reference: the recorded forward order, the stream manager, and the backward
 bookkeeping (reduce-scatter order, the final callback).
 
-[Note: collective order]
-Collectives on one process group must be issued in the same order on every
-rank, but which hooks fire in backward, and when, depends on each rank's
-autograd graph (a unit may get no gradient on some rank). So backward
-collectives follow rank-independent orders derived from the forward, over the
-units whose forward ran with a backward to follow:
-- All-gathers follow the *gather order*: the reverse of the units' LAST
-  post-forward (the order their pre-backward hooks fire: the root, whose
-  forward ends last, first). When a unit needs its parameters in backward,
-  every unit before it in that order is gathered first (once per backward).
-- Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
-  pre-forward (the order their gradients complete: the root, whose first
-  parameters are used first, last), then the units whose reduction an
-  earlier backward left unfinished (without gradient sync, or HSDP without
-  the all-reduce) and that did not run in this one (``_pending``: their
-  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A
-  unit whose gradients are ready waits until every trainable unit before it
-  was issued; the root's final callback issues the rest, zero-filled where
-  this rank produced no gradient. They run on a second process group over
-  the same ranks, so the two streams of collectives cannot block each other.
-- Both orders include the units that ran as a no-grad island of the training
-  forward (a reentrant checkpoint: its recomputation in backward gathers
-  them, and their gradients come from a nested backward), at the place of
-  their forward: a rank whose graph reaches them at another moment still
-  issues the same collectives. If they are never recomputed, the final
-  callback gathers them and reduces zeros (their ``p.grad`` stays None).
-(One order for both gathered the whole model at the root's pre-backward.)
-Ranks never diverge, and a parameter used on only some ranks still gets the
-rank-average gradient. At most one unit's reduce-scatters are in flight at a
-time, so flat gradients are freed as backward proceeds.
+``RootContext`` here is the step lifecycle (a training root forward starts a
+step, the first pre-backward queues the final callback, which ends it; a step
+an exception left half-done is aborted at the next root forward) and sets
+every attribute a step uses. Its concerns are mixins, each in its own file:
 
-[Note: one order across communicators]
-NCCL also needs collectives on *different* communicators issued in the same
-order on every rank: a kernel waiting for its peers can hold the SMs or the
-only hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) that another
-communicator's kernel needs. So the two orders above are merged into ONE
-sequence, a function of the forward alone (the same on every rank):
-
-- every reduce-scatter gets a *slot* in the gather order: the index of the
-  last all-gather that must be issued before it. Unit u's gradient can need
-  the all-gathers of every unit whose forward ended after u's first forward
-  began (consumers of u's output; u itself), and of every unit in the same
-  checkpoint region (its recompute gathers them all before any of their
-  gradients exists; non-reentrant, or reentrant: no-grad islands whose forward
-  ran in one ``CheckpointFunction``). Its slot is the largest gather index among
-  those, extended by what any of them prefetches (so a unit's backward
-  prefetch is issued before its reduce-scatter, as FSDP2 does), and never
-  before the slot of an earlier unit in the reduce order;
-- reduce-scatters are issued in the reduce order, each once ready and once
-  its slot's all-gather is issued; all-gathers as now, on demand;
-- a demand for an all-gather comes from unit w's pre-backward (or the
-  recompute of w's region). Every reduce-scatter slotted before that
-  all-gather belongs to a unit whose forward began after w's ended: the
-  engine runs backward nodes in decreasing sequence number, so such a unit's
-  gradient (its split node, made at its pre-forward) is complete before w's
-  pre-backward, or it never comes on this rank. The demand therefore issues
-  those reduce-scatters first, zero-filled where no gradient came (the engine
-  confirms: ``_compat.will_execute``); a rank never waits for a gradient that
-  depends on a collective it has not issued. The root's final callback
-  issues whatever is left, in the same sequence.
-
-Outside the sequence, as before (hook timing, equal on ranks whose graphs
-are equal): a second gradient for a unit already reduced, and the user's own
-``unshard()``. The part of a unit's gradient that a nested (reentrant
-checkpoint) backward brings is not reduced alone when the outer backward
-brings another part (asked of the engine at the unit's pre-backward): one
-reduce-scatter of the sum, whatever each rank's graph.
-
-[Note: forward order]
-Forward all-gathers are issued at pre-forward hooks, so a unit whose forward
-runs on some ranks only (an expert no token was routed to here, an ``if`` on
-data) would leave the ranks' all-gathers unpaired: a hang, a size mismatch, or
-silently wrong parameters where two units have the same size. So every rank
-follows ONE order of unit forwards, a sequence of events ``+u`` (u's forward
-starts: it is gathered) and ``-u`` (it ends), per kind of root forward (the
-method run, training or eval; an eval forward follows its method's training
-order once there is one):
-
-- *Follow* (the steady state; no collective of its own). At each of its own
-  events a rank finds the next such event in the order. The events before
-  it, which this rank skipped, it *catches up* first: a ``+v`` all-gathers v
-  (and its forward prefetch) as v's pre-forward would, a ``-v`` reshards v as
-  its post-forward would (a unit skipped here is gathered and freed at once
-  unless it keeps its parameters after forward), and both are recorded in the
-  step's bookkeeping (``_step_order``, the clocks, ``_in_orders`` when a
-  backward follows it elsewhere) at their place in the order. So the sharded
-  states, the forward prefetches and gather buckets (which walk the recorded
-  order), the backward's gather and reduce orders and slots are the same on
-  every rank; a unit skipped here gets no gradient here, and its
-  reduce-scatter is zero-filled (every rank gets the rank average, as DDP
-  with ``find_unused_parameters=True``). A rank whose event is not in the
-  rest of the order (a unit outside it, called more often, run after its
-  place passed, or nested otherwise) raises before any collective of its
-  own: it cannot go on alone.
-- *Agree* (a kind's first forwards, or every forward with
-  ``set_forward_order_dynamic(True)``). At each event the ranks all-reduce
-  (min) a code of the event each wants next (a ``+u``: u's index in module
-  order; a ``-u``: after every ``+``, innermost open unit first, with what
-  follows u's forward); every rank then does the winning event, catching it
-  up if it was not its own. A unit gathered for another rank's ``+v`` is held
-  (it may run here before its ``-v``). The agreed sequence is the same on
-  every rank by construction; a training forward then labels its checkpoint
-  regions (min all-reduces of each rank's labels until none lowers). Cost:
-  one 8-byte all-reduce per event (per group: shard, then replicate), a host
-  sync each on NCCL.
-- Learning: the agreed orders of a kind are merged (units missing from the
-  order are inserted where the newer order has them) until the order holds
-  every unit, or LEARNING_FORWARDS forwards agreed; then the kind follows.
+- ``ForwardWalk`` (_forward_walk.py): the forward order, followed or agreed
+  on ([Note: forward order]), forward prefetch and gather buckets,
+  ``LastStepOrder``;
+- ``BackwardSchedule`` (_backward_schedule.py): the gather and reduce
+  orders, slots, reduce-scatters, buckets, drain ([Note: collective order],
+  [Note: one order across communicators]);
+- ``RootStepChecks`` (_step_checks.py): what the divergence step checks
+  compare, and a step left half-done ([Note: divergence]).
 """
 from __future__ import annotations
 
@@ -121,43 +26,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _compat, _divergence
+from . import _compat, _divergence
+from ._backward_schedule import BackwardSchedule
 from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
-from ._flat_group import gather_bucket
-from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
-from ._grad_path import launch_bucket
+from ._forward_order import ForwardOrder
+from ._forward_walk import ForwardWalk, LastStepOrder, _Learned, _Walk
 from ._registry import units_below
+from ._step_checks import RootStepChecks
 from ._streams import StreamManager
 from ._unit import Unit
 
 
-class LastStepOrder:
-    """The units in the order of their first forward in the last training
-    step (re-recorded every step, so a changed order is followed from the
-    next step on). Forward prefetching walks it: ``next_units(u, n)`` are
-    the n units after ``u``; all-gather buckets read ``position``.
-    """
-
-    def __init__(self):
-        self.execution_order: list[Unit] = []
-        self._next: dict[Unit, list[Unit]] = {}
-        self.position: dict[Unit, int] = {}
-
-    def set_order(self, order: list[Unit]) -> None:
-        if order != self.execution_order:
-            self.execution_order = order
-            self._next = {u: order[i + 1:] for i, u in enumerate(order)}
-            self.position = {u: i for i, u in enumerate(order)}
-
-    def next_units(self, unit: Unit, n: int) -> list[Unit]:
-        return self._next.get(unit, [])[:n]
-
-    def __repr__(self) -> str:
-        order = [u.fqn or "<root>" for u in self.execution_order]
-        return f"LastStepOrder({order})"
-
-
-class RootContext:
+class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
     def __init__(self, root: Unit, units: list[Unit], device: torch.device):
         self.root = root
         self.units = units
@@ -175,15 +55,16 @@ class RootContext:
         self._regions: dict[Unit, set] = {}         # checkpoint regions its forwards ran in
         # ... and those that ran as a no-grad island of the training forward
         # (a reentrant checkpoint recomputes them in backward): the units of
-        # the two backward orders, see the Note
+        # the two backward orders, see [Note: collective order] in
+        # _backward_schedule.py
         self._in_orders: dict[Unit, None] = {}
         # per backward
         self._callback_queued = False
         self._outer_task = -1                   # graph task of the backward we finish
-        self._gather_order: list[Unit] | None = None  # see the Note
+        self._gather_order: list[Unit] | None = None  # see that Note
         self._gather_pos: dict[Unit, int] = {}
         self._gather_next = 0                   # next index in it to all-gather
-        self._order: list[Unit] | None = None   # the reduce order, see the Note
+        self._order: list[Unit] | None = None   # the reduce order, see that Note
         self._next = 0                          # next index in it to reduce-scatter
         self._slots: list[int] | None = None    # per reduce-order index: its slot (see Note)
         self._gets_grad: dict[Unit, bool] | None = None  # will the engine give it one
@@ -196,7 +77,7 @@ class RootContext:
         self.accumulated = False                # a flat gradient arrived in this backward
         # units in the reduce order of a backward that did not finish their
         # reduction (Unit.completes_reduction), not finished since: every rank
-        # alike (see the Note)
+        # alike (see that Note)
         self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
         self.communicates = True                # some group has world > 1 (set at lazy init)
@@ -204,8 +85,8 @@ class RootContext:
         # (None: nothing communicates, set at lazy init)
         self.checks: _divergence.StepChecks | None = None
         self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
-        # the forward orders (see [Note: forward order]), per kind of root
-        # forward: (method, training)
+        # the forward orders (see [Note: forward order] in _forward_walk.py), per
+        # kind of root forward: (method, training)
         self._orders: dict[tuple, _Learned] = {}
         self._walk: _Walk | None = None         # the root forward now running
         self._unit_index = {u: i for i, u in enumerate(units)}
@@ -245,276 +126,12 @@ class RootContext:
             learned = self._orders.setdefault((entry, self.in_training_forward), _Learned())
             trained = self._orders.get((entry, True))
             if not self.in_training_forward and trained is not None and not trained.learning():
-                follow = trained  # an eval forward follows the training order (see the Note)
+                follow = trained  # eval follows the training order: [Note: forward order]
             else:
                 follow = learned
             agree = self.settings.forward_order_dynamic or follow.learning()
             self._walk = _Walk(ForwardOrder() if agree else follow.order, agree, self._clock,
                                learned)
-
-    def record_forward(self, unit: Unit) -> bool:
-        """``unit``'s forward starts. Returns whether to all-gather it now
-        (False: it was gathered already, at its place in the forward order)."""
-        walk = self._walk
-        if walk is None:  # no root forward running (an inner unit called alone), or world 1
-            self._record_pre(unit)
-            region = self._region_here()
-            if region is not None:
-                self._regions.setdefault(unit, set()).add(region)
-            return True
-        if unit in walk.held:  # gathered at its place in the order: it runs here after all
-            del walk.held[unit]
-            walk.running.add(unit)
-            return False
-        j = self._agree(walk, True, unit) if walk.agree else self._follow(walk, True, unit)
-        walk.running.add(unit)
-        self._clock = walk.base + j
-        self._record_pre(unit)
-        if walk.agree and self.in_training_forward:
-            walk.seen[j] = self._region_here()
-        return True
-
-    def _region_here(self):
-        """The activation-checkpoint region a unit's forward starts in (see
-        _slot_of): a non-reentrant one's while grad is on, a reentrant one's
-        for a no-grad island of a training forward."""
-        if torch.is_grad_enabled():
-            return _compat.checkpoint_region()
-        return _compat.reentrant_checkpoint_region() if self.in_training_forward else None
-
-    def _record_pre(self, unit: Unit) -> None:
-        self._step_order.setdefault(unit, None)
-        self._clock += 1
-        self._first_pre.setdefault(unit, self._clock)
-
-    def forward_end(self, unit: Unit, flag: int) -> None:
-        """``unit``'s forward ends (before its post-forward's reshard and
-        bookkeeping); ``flag``: what follows it (_forward_order.GRAD ...)."""
-        walk = self._walk
-        if walk is None:
-            return
-        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
-        walk.running.discard(unit)
-        self._clock = walk.base + j
-        if unit is self.root:
-            self._end_walk(walk)
-
-    # ---------------------------------------------------- the forward order
-    def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
-        """The index of this rank's event in the learned order, after catching
-        up the events before it that this rank skipped (see the Note)."""
-        order, i = walk.order, walk.next
-        if i < len(order) and order.units[i] is unit and order.pre[i] is pre:
-            walk.next = i + 1  # the common case: nothing skipped
-            return i
-        j = order.find(pre, unit, i)
-        blocked = None if j is None else order.blocked(i, j, walk.running)
-        if j is None or blocked is not None:  # (before any collective of the catch-up)
-            raise self._departure(walk, pre, unit, blocked)
-        for k in range(i, j):
-            self._catch_up(walk, k, order.pre[k], order.units[k], order.flag[k])
-        walk.next = j + 1
-        return j
-
-    def _agree(self, walk: "_Walk", pre: bool, unit: Unit, flag: int = NO_BACKWARD) -> int:
-        """Agree with the other ranks on the next event of the order (see the
-        Note); catch up the events agreed before this rank's own. Returns its index."""
-        order = walk.order
-        if pre and unit is self.root and not len(order):  # every rank's forward starts so
-            walk.open(0, unit)
-            return order.append(True, unit)
-        n = len(self.units)
-        want = (self._unit_index[unit] * 4 if pre
-                else (n + _OPEN_MAX - walk.opened[unit]) * 4 + 3 - flag)
-        while True:
-            got = self._min_across([want])[0]
-            q, r = divmod(got, 4)
-            if q < n:
-                e_pre, v, e_flag = True, self.units[q], NO_BACKWARD
-            else:
-                e_pre, v, e_flag = False, walk.open_at[_OPEN_MAX - (q - n)], 3 - r
-            j = order.append(e_pre, v, e_flag)
-            if e_pre:
-                walk.open(j, v)
-            else:
-                walk.close(v)
-            if v is unit and e_pre is pre:
-                return j
-            if not e_pre and v in walk.running:
-                raise unit_error(v.fqn, f"another rank ended this unit's forward while it still "
-                                 f"runs here, inside the forward of '{unit.fqn or '<root>'}': the "
-                                 "ranks nest their units' forwards differently. Agreed so far: "
-                                 f"{order.describe(len(order) - 1)}.", _ORDER_FIX)
-            self._catch_up(walk, j, e_pre, v, e_flag)
-
-    def _catch_up(self, walk: "_Walk", k: int, pre: bool, unit: Unit, flag: int) -> None:
-        """Event ``k`` of the order, which this rank skipped: take part in its
-        all-gathers (pre) or reshard as its post-forward would (post), and
-        record it where it is in the order."""
-        self._clock = walk.base + k
-        if pre:
-            self._record_pre(unit)
-            walk.held[unit] = k
-            unit.forward_skipped()
-            return
-        walk.held.pop(unit, None)
-        unit.forward_skipped_end(grad_follows=flag == GRAD and self.in_training_forward)
-        if self.in_training_forward and flag != NO_BACKWARD:
-            self._enter_orders(unit)  # no gradient here: zero-filled, see [Note: collective order]
-
-    def _end_walk(self, walk: "_Walk") -> None:
-        """The root's forward ends: label this forward's checkpoint regions
-        from the order, and keep what a training forward agreed on."""
-        self._walk = None
-        order = walk.order
-        if walk.agree:
-            if self.in_training_forward:
-                self._label_regions(walk)
-            walk.learned.add(order, self.units)
-        if not self.in_training_forward:
-            return
-        for k in range(len(order)):
-            if order.pre[k] and order.region[k] >= 0:  # rank-independent keys (see the Note)
-                self._regions.setdefault(order.units[k], set()).add((walk.base, order.region[k]))
-
-    def _label_regions(self, walk: "_Walk") -> None:
-        """Label each agreed pre event with its checkpoint region: the same
-        label on every rank for units whose forwards ran in one region on any
-        rank (the lowest index among them), -1 for none. Min all-reduces until
-        no rank lowers a label (one when no rank saw a region)."""
-        n = len(walk.order)
-        groups: dict = {}
-        for j, region in walk.seen.items():
-            if region is not None:
-                groups.setdefault(region, []).append(j)
-        labels, lowered = [_NO_REGION] * n, bool(groups)
-        for js in groups.values():
-            for j in js:
-                labels[j] = min(js)
-        while True:
-            got = self._min_across(labels + [-int(lowered)])
-            labels, lowered = got[:n], False
-            if got[n] == 0:
-                break
-            for js in groups.values():
-                low = min(labels[j] for j in js)
-                for j in js:
-                    lowered |= labels[j] != low
-                    labels[j] = low
-        walk.order.region = [-1 if x == _NO_REGION else x for x in labels]
-
-    def _min_across(self, values: list[int]) -> list[int]:
-        """Element-wise minimum over every rank this root's units gather
-        with (the shard groups, then the replicate groups: HSDP)."""
-        if self._order_pgs is None:
-            shard, replicate = [], []
-            for u in self.units:
-                for g in u.groups:
-                    if g.world > 1 and g.pg not in shard:
-                        shard.append(g.pg)
-                    if g.replicate_pg is not None and g.replicate_pg not in replicate:
-                        replicate.append(g.replicate_pg)
-            self._order_pgs = (shard, replicate)
-        return self.streams.min_across(values, *self._order_pgs)
-
-    def _departure(self, walk: "_Walk", pre: bool, unit: Unit, blocked: int | None):
-        order = walk.order
-        what = "starts" if pre else "ends"
-        if blocked is None:
-            why = (f"its forward {what} here, but the forward order has no such event left "
-                   "(a unit outside the order, one called more often than in it, or one "
-                   "that runs after its place in the order has passed)")
-        else:
-            why = (f"its forward {what} here, but to reach that point of the forward order "
-                   f"this rank would pass over an event of '{order.units[blocked].fqn}', whose "
-                   "forward runs here now")
-        return unit_error(unit.fqn, f"{why}. Every rank follows one order of unit forwards "
-                          "(learned in the first forwards; a rank that skips a unit takes "
-                          "part in its all-gathers where the order has it): "
-                          f"{order.describe(walk.next)} (next: event {walk.next}; +unit: its "
-                          "forward starts, -unit: it ends). Going on would issue all-gathers "
-                          "in an order the other ranks do not.", _ORDER_FIX)
-
-    def prefetch_forward(self, unit: Unit) -> None:
-        """Issue the all-gathers of the units expected to run after ``unit``.
-
-        Same on every rank: the order is the last training step's, and which
-        units are sharded is rank-independent. Only inside a training forward
-        of the root: a prefetch an eval forward leaves unconsumed (an inner
-        unit called directly) would be resharded by nothing, and go stale at
-        the next optimizer step; a training step's leftovers are resharded by
-        its final callback or the next step's root forward.
-        """
-        if not self.in_training_forward:
-            return
-        targets = unit.forward_prefetch
-        if targets is None:
-            targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
-        for v in targets:
-            if not v.is_unsharded:
-                trace("prefetch", v.fqn, "forward")
-                v.unshard()
-
-    def gather_in_bucket(self, unit: Unit) -> bool:
-        """All-gather ``unit`` and the units after it in the current order (the
-        last step's forward order in a training forward, the gather order in
-        backward) as one bucket, if all-gather buckets are on and at least two
-        fit. A bucket is a maximal run of consecutive units that are sharded
-        and together write at most the bucket size: a function of the order,
-        the sizes and the sharded states, which every rank shares, so every
-        rank issues the same collectives."""
-        limit = self.settings.gather_bucket_bytes
-        if limit <= 0 or not self.communicates:
-            return False
-        if self._callback_queued:  # in backward
-            pos, order = self._gather_positions(), self._gather_order
-        elif self.in_training_forward:
-            pos, order = self.last_step_order.position, self.last_step_order.execution_order
-        else:
-            return False  # eval: nothing would reshard what a bucket fetched ahead
-        i = pos.get(unit)
-        if i is None:
-            return False
-        units, total = [], 0
-        backward = self._callback_queued
-        for v in order[i:]:
-            nbytes = v.gather_bytes()
-            if nbytes is None or (units and total + nbytes > limit) \
-                    or (backward and not v.unshard_in_backward):
-                break
-            units.append(v)
-            total += nbytes
-        if len(units) < 2:
-            return False
-        by_key: dict[tuple, list] = {}
-        for v in units:
-            trace("all_gather", v.fqn, "bucketed")
-            for g in v.groups:
-                by_key.setdefault(g.gather_key(), []).append(g)
-        with label("all_gather", units[0].fqn):
-            for groups in by_key.values():
-                if len(groups) == 1:  # nothing to merge it with: no bucket copies
-                    groups[0].unshard(self.streams)
-                else:
-                    gather_bucket(groups, self.streams)
-        return True
-
-    def expect_backward(self, unit: Unit, island: bool = False) -> None:
-        """``unit``'s forward ended with a backward to follow, or (``island``)
-        ran without grad inside the training forward."""
-        if not island:
-            self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
-            self._grad_follows[unit] = None
-        self._enter_orders(unit)
-
-    def _enter_orders(self, unit: Unit) -> None:
-        self._in_orders.pop(unit, None)
-        self._in_orders[unit] = None
-        self._clock += 1
-        self._last_post[unit] = self._clock
-
-    def expects_backward(self, unit: Unit) -> bool:
-        return unit in self._grad_follows
 
     # ----------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
@@ -531,214 +148,14 @@ class RootContext:
         """Inside a backward that runs within ours (a reentrant checkpoint)."""
         return _compat.graph_task_id() != self._outer_task
 
-    def reduce_order(self) -> list[Unit]:
-        if self._order is None:
-            order = [u for u in reversed(self._step_order) if u in self._in_orders]
-            self._order = order + [u for u in self._pending
-                                   if u not in self._in_orders and u.completes_reduction()]
-        return self._order
-
-    def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
-        """Issue the all-gather of ``unit`` (unless not ``need``ed: see
-        set_unshard_in_backward) and, first, of every unit before it in the
-        gather order; then prefetch (no wait). Prefetching is more of the same
-        prefix, so it never reorders collectives. Units that do not unshard in
-        backward are skipped in that order, on every rank alike."""
-        if unit in self._in_orders:
-            # On gloo a unit resharded after forward prefetches once its
-            # gradients are computed, see [Note: gloo backward] in _unit.py; a
-            # unit that kept its parameters (the root), or whose gradients have
-            # no hook (frozen), prefetches now.
-            late = unit.grads_hooked and unit.reshard_after_forward
-            self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
-        if need:
-            unit.unshard()
-
-    def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
-        pos = self._gather_positions()
-        stop = pos[unit]
-        if not prefetch:
-            return stop
-        stop += self.settings.prefetch_depth
-        if unit.backward_prefetch is not None:
-            stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
-        return min(stop, len(pos) - 1)
-
-    def prefetch_backward_late(self, unit: Unit) -> None:
-        """See [Note: gloo backward] in _unit.py (a no-op for what was prefetched)."""
-        if unit in self._in_orders:
-            self._gather_up_to(self._prefetch_stop(unit))
-
-    def _gather_positions(self) -> dict[Unit, int]:
-        if self._gather_order is None:
-            self._gather_order = list(reversed(self._in_orders))
-            self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
-        return self._gather_pos
-
-    def _gather_up_to(self, stop: int, final: bool = False) -> None:
-        """Issue the gather order up to index ``stop``, each all-gather after
-        the reduce-scatters slotted before it (see [Note: one order across
-        communicators])."""
-        while self._gather_next <= stop:
-            self._issue_reductions(demand=True, final=final)
-            self._gather_next += 1
-            unit = self._gather_order[self._gather_next - 1]
-            if unit.unshard_in_backward:
-                unit.unshard()
-        self._issue_reductions(final=final)
-
-    def _reduces(self, unit: Unit) -> bool:
-        return bool(unit.trainable) and unit.requires_gradient_sync
-
-    def _slot_of(self) -> list[int]:
-        """[i]: the gather index after which the i-th unit of the reduce order
-        may reduce-scatter (see the Note); once per backward."""
-        if self._slots is None:
-            gather, pos = self._gather_order, self._gather_positions()
-            region_end: dict = {}
-            for u, regions in self._regions.items():
-                for r in regions:
-                    if u in pos:
-                        region_end[r] = max(region_end.get(r, -1), pos[u])
-            reach, best = [], -1  # reach[g]: the furthest index gather[:g + 1] prefetch
-            for u in gather:
-                best = max(best, self._prefetch_stop(u))
-                reach.append(best)
-            slots, ended, floor = [], 0, 0
-            for u in self.reduce_order():  # first pre-forward, latest first
-                if u not in self._first_pre:  # pending from an earlier backward: last
-                    floor = max(floor, len(gather) - 1)
-                    slots.append(floor)
-                    continue
-                while ended < len(gather) and self._last_post[gather[ended]] > self._first_pre[u]:
-                    ended += 1  # gather[:ended]: forwards that ended after u's began
-                last = max([ended - 1] + [region_end[r] for r in self._regions.get(u, ())])
-                floor = max(floor, reach[last])
-                slots.append(floor)
-            self._slots = slots
-        return self._slots
-
-    def _no_gradient_here(self, unit: Unit) -> bool:
-        """At a demand past ``unit``'s slot: no gradient will come for it on this
-        rank (see the Note), and this backward reduces gradients at all (not
-        ``autograd.grad(loss, inputs)``). Asked of the engine, once per backward."""
-        if self.in_nested_backward():
-            return False  # the engine would answer for the nested backward
-        if self._gets_grad is None:
-            self._gets_grad = {u: any(_compat.will_execute(g.split_node.next_functions[0][0])
-                                      for g in u.trainable if g.split_node is not None)
-                               for u in self.reduce_order() if self._reduces(u)}
-        return any(self._gets_grad.values()) and not self._gets_grad.get(unit, False)
-
-    def grads_ready(self, unit: Unit) -> None:
-        if not unit.requires_gradient_sync:
-            return  # flat.grad stays and accumulates; the next synced backward reduces it
-        if unit in self._launched or unit not in self._in_orders:
-            # a second gradient for a unit already reduced (see Unit._pre_backward),
-            # or a unit outside the backward order (reentrant recomputation): now
-            self._launch(unit)
-            return
-        self._ready.add(unit)
-        self._issue_reductions()
-
-    def _issue_reductions(self, demand: bool = False, final: bool = False) -> None:
-        """Issue the reduce-scatters whose turn came: in the reduce order, each
-        once the all-gather of its slot is issued. Ready ones only, except
-        ``demand`` (the next all-gather is wanted: the ones slotted before it go
-        first, zero-filled where no gradient comes) and ``final`` (all of them)."""
-        if final and not self.accumulated:
-            return  # e.g. autograd.grad(loss, inputs): p.grad untouched
-        order, slots = self.reduce_order(), self._slot_of()
-        while self._next < len(order):
-            unit = order[self._next]
-            if not self._reduces(unit):
-                self._next += 1  # nothing to reduce (frozen, or accumulating)
-                continue
-            if slots[self._next] >= self._gather_next:
-                break  # its slot's all-gather is not issued yet
-            if unit not in self._ready and not final:
-                if not (demand and self._no_gradient_here(unit)):
-                    break  # (a demand that cannot wait for it issues its all-gather anyway)
-            self._next += 1
-            if self.settings.bucket_bytes <= 0 or not self.communicates:
-                self._launch(unit)
-                continue
-            # A bucket ends before the next unit to reduce would take it past
-            # the byte limit (a larger unit goes alone), or at the last unit to
-            # reduce: a function of the reduce order and the sizes only (never
-            # of timing), so every rank buckets alike.
-            self._bucket.append(unit)
-            self._bucket_bytes += _grad_bytes(unit)
-            following = self._next_reduced_bytes()[self._next]
-            if following is None or self._bucket_bytes + following > self.settings.bucket_bytes:
-                self._launch_bucket()
-
-    def _next_reduced_bytes(self) -> list:
-        """[i]: flat-gradient bytes of the first unit at index >= i of the reduce
-        order that has something to reduce (None: no such unit); once per backward."""
-        if self._following is None:
-            order = self.reduce_order()
-            out, following = [None] * (len(order) + 1), None
-            for i in range(len(order) - 1, -1, -1):
-                u = order[i]
-                if u.trainable and u.requires_gradient_sync:
-                    following = _grad_bytes(u)
-                out[i] = following
-            self._following = out
-        return self._following
-
-    def _launch_bucket(self) -> None:
-        units, self._bucket, self._bucket_bytes = self._bucket, [], 0
-        self._drain()
-        by_key: dict[tuple, list] = {}
-        for u in units:
-            self._launched.add(u)
-            got = any(g.flat.grad is not None for g in u.trainable)
-            trace("reduce_scatter", u.fqn, "bucketed" if got else "bucketed zero-filled")
-            for g in u.trainable:
-                by_key.setdefault(g.bucket_key(), []).append(g)
-        with label("reduce_scatter", units[-1].fqn):
-            self._in_flight = [launch for groups in by_key.values()
-                               for launch in launch_bucket(groups, self.streams)]
-        self._maybe_wait()
-
-    def _launch(self, unit: Unit) -> None:
-        self._drain()  # also folds an earlier part of this unit's gradient first
-        self._launched.add(unit)
-        self._in_flight = unit.launch_reduce_scatters()
-        self._maybe_wait()
-
-    def _maybe_wait(self) -> None:
-        if not self.settings.overlap_reduce_scatter:
-            self._drain()  # memory over speed: no flat gradient outlives its unit's backward
-
-    def finish_in_flight(self) -> None:
-        """Wait for the reduce-scatters in flight now: see [Note: gloo backward].
-        An HSDP reduction's all-reduce across replicas (issued by its fold, and
-        blocking on gloo) is left to the next drain, which the one sequence
-        places (see [Note: one order across communicators]): issued here, at a
-        moment of this rank's own graph, it could block while a replica waits
-        for an all-gather of this rank's shard group (a cycle across the groups
-        when units run on some ranks only)."""
-        for launch in self._in_flight:
-            if launch.group.replicate_pg is None:
-                launch.finish()
-            else:  # keep the output only: the flat gradient goes now, as it would
-                launch.pending = self.streams.ready(launch.pending.wait())
-        self._in_flight = [launch for launch in self._in_flight if not launch.done]
-
-    def _drain(self) -> None:
-        for launch in self._in_flight:
-            launch.finish()
-        self._in_flight = []
-
     @_compat.outside_functorch
     def _final_callback(self) -> None:
         with label("final_callback", self.root.fqn):
             trace("final_callback", self.root.fqn)
             # All-gathers this rank's graph never asked for (a unit whose
             # backward did not reach it here) may be awaited by another rank:
-            # finish the one sequence (see the Note), zero-filling what is left.
+            # finish the one sequence (see [Note: one order across communicators]),
+            # zero-filling what is left.
             self._gather_up_to(len(self._gather_positions()) - 1, final=True)
             self._issue_reductions(final=True)
             if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
@@ -771,55 +188,6 @@ class RootContext:
         self._launched.clear()
         self._bucket, self._bucket_bytes, self._following = [], 0, None
 
-    # ---------------------------------------------------------------- divergence
-    def _schedule_settings(self) -> tuple:
-        """(settings, describe): what shapes a phase's collectives besides the
-        forward itself, as ints and bools only (hashed alike in every process),
-        and a function explaining them in lines (see [Note: divergence]).
-        Recomputed only after a setter or a requires_grad change."""
-        if self._settings[0] != _divergence.settings_generation:
-            self._settings = (_divergence.settings_generation, self._make_settings())
-        return self._settings[1]
-
-    def _make_settings(self) -> tuple:
-        root, index = self.settings, self.checks.index
-        settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
-                    root.is_last_backward, root.forward_order_dynamic, tuple(
-                        (u.requires_gradient_sync, u.reshard_after_forward,
-                         u.reshard_after_backward, u.unshard_in_backward,
-                         tuple(g.requires_grad for g in u.groups),
-                         tuple(g.requires_all_reduce for g in u.groups
-                               if g.replicate_pg is not None),
-                         _positions(index, u.forward_prefetch),
-                         _positions(index, u.backward_prefetch))
-                        for u in self.units))
-        names = self.checks.names
-
-        def describe() -> list[str]:
-            depth, rs_bytes, ag_bytes, last, dynamic, per = settings
-            return [_where(names, per, lambda s: not s[0], "set_requires_gradient_sync(False)"),
-                    _where(names, per, lambda s: False in s[5], "set_requires_all_reduce(False)"),
-                    _where(names, per, lambda s: not s[1], "reshard_after_forward False"),
-                    _where(names, per, lambda s: not s[2], "set_reshard_after_backward(False)"),
-                    _where(names, per, lambda s: not s[3], "set_unshard_in_backward(False)"),
-                    _where(names, per, lambda s: False in s[4], "frozen parameter groups"),
-                    _where(names, per, lambda s: s[6] != -1 or s[7] != -1,
-                           "explicit prefetch (set_modules_to_*_prefetch)"),
-                    f"root: prefetch depth {depth}, reduce-scatter bucket {rs_bytes} B, "
-                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}, "
-                    f"forward_order_dynamic {dynamic}"]
-        return settings, describe
-
-    def _left_half_done(self) -> None:
-        """This rank left its last step half-done (an exception inside its
-        forward or backward): go on only if every rank left it at the same
-        collective, else raise (see [Note: divergence])."""
-        busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
-                if u.state is not TrainingState.IDLE]
-        where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
-        where = f"units not finished: {where}" if busy else "its backward did not finish"
-        self.checks.left(_collectives.issued(), where)
-
     def _abort_step(self) -> None:
         for launch in self._in_flight:  # never drop what a side stream still writes
             self.streams.abandon(launch.pending)
@@ -833,74 +201,6 @@ class RootContext:
             u.finish_backward()
         self._reset_backward()
         self._new_step = True
-
-
-# ---------------------------------------------------------------------------
-def _positions(index: dict, units: list | None):
-    return -1 if units is None else tuple(index.get(v, -1) for v in units)
-
-
-def _where(names: list[str], per: tuple, pick, what: str) -> str:
-    hit = [n for n, s in zip(names, per) if pick(s)]
-    shown = ", ".join(f"'{n}'" for n in hit[:6]) + (f" and {len(hit) - 6} more"
-                                                     if len(hit) > 6 else "")
-    return f"{what} on: {shown or 'no unit'}"
-
-
-LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
-_OPEN_MAX = 1 << 40    # agreement codes of post events (see RootContext._agree)
-_NO_REGION = 1 << 62
-_ORDER_FIX = ("If the order of the units' forwards changes by design (not only units "
-              "skipped on some ranks), call set_forward_order_dynamic(True) on the root: the "
-              "ranks then agree on the order in every forward (one small all-reduce per unit "
-              "forward start and end).")
-
-
-class _Learned:
-    """The forward order learned for one kind of root forward (see [Note:
-    forward order]): the orders agreed on, merged, until it holds every unit
-    or LEARNING_FORWARDS forwards agreed."""
-
-    def __init__(self):
-        self.order: ForwardOrder | None = None
-        self.complete = False
-        self.forwards = 0
-
-    def learning(self) -> bool:
-        return self.order is None or (not self.complete and self.forwards < LEARNING_FORWARDS)
-
-    def add(self, order: ForwardOrder, units: list) -> None:
-        self.order = merged(self.order, order)
-        self.complete = self.order.covers(units)
-        self.forwards += 1
-
-
-class _Walk:
-    """One root forward, followed event by event (see [Note: forward order])."""
-
-    def __init__(self, order: ForwardOrder, agree: bool, base: int, learned: _Learned):
-        self.order = order    # the learned order, or (agree) the one agreed in this forward
-        self.agree = agree
-        self.learned = learned
-        self.next = 0         # (follow) the index of the next event expected
-        self.base = base      # the clock at the root's pre-forward: event k is at base + k + 1
-        self.running: set = set()   # units whose forward runs on this rank now
-        self.held: dict = {}        # units gathered for the order whose forward is not
-                                    # running here, their end not reached -> index of start
-        self.opened: dict = {}      # (agree) open units -> index of their start
-        self.open_at: dict = {}     # ... and back
-        self.seen: dict = {}        # (agree) start index -> this rank's checkpoint region
-
-    def open(self, j: int, unit) -> None:
-        self.opened[unit] = j
-        self.open_at[j] = unit
-
-    def close(self, unit) -> None:
-        del self.open_at[self.opened.pop(unit)]
-
-
-def _grad_bytes(unit: Unit) -> int:
-    return sum(g.padded_numel * g.reduce_dtype.itemsize for g in unit.trainable)
 
 
 def assign_fqns(module: nn.Module) -> None:

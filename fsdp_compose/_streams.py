@@ -224,7 +224,7 @@ class StreamManager:
 
     def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
         """The element-wise minimum of ``values`` over the groups, read on the
-        host (the forward-order agreement, [Note: forward order] in _state.py).
+        host (the forward-order agreement, [Note: forward order] in _forward_walk.py).
         On CUDA each group's on the stream of its other collectives (a shard
         group's all-gathers, a replicate group's all-reduces): NCCL kernels of
         one communicator on two streams could run concurrently and deadlock."""

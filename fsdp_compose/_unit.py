@@ -186,7 +186,7 @@ class Unit:
                 ctx.root_pre_forward(entry)
             self._assert_state(TrainingState.IDLE, where="pre_forward")
             with label("pre_forward", self.fqn), _compat.functorch_disabled():
-                gather = ctx.record_forward(self)  # (first: units skipped here, see _state.py)
+                gather = ctx.record_forward(self)  # (first: units skipped here, _forward_walk.py)
                 trace("pre_forward", self.fqn, self.state.name)
                 self._sync_requires_grad()
                 self.state = TrainingState.FORWARD
@@ -298,7 +298,7 @@ class Unit:
             return output
         grad_follows = torch.is_grad_enabled() and bool(outs)
         island = not torch.is_grad_enabled() and self.ctx.in_training_forward
-        with _compat.functorch_disabled():  # (first: units skipped here, see _state.py)
+        with _compat.functorch_disabled():  # (first: units skipped here, _forward_walk.py)
             self.ctx.forward_end(self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
         trace("post_forward", self.fqn, self.state.name)
         if grad_follows:
@@ -325,7 +325,7 @@ class Unit:
         """The forward order reaches this unit's forward, which runs on other
         ranks but not (or not yet) here: take part in its all-gathers, and its
         forward prefetch, as its pre-forward would (see [Note: forward order]
-        in _state.py)."""
+        in _forward_walk.py)."""
         trace("skipped", self.fqn, "all-gather")
         self._sync_requires_grad()  # (whether it reduces must match the ranks it runs on)
         with label("skipped", self.fqn):

@@ -1,0 +1,419 @@
+"""The forward order of a root's units: every rank follows, or agrees on, one
+order of unit forward events, so forward all-gathers pair up across ranks even
+where a unit runs on some ranks only; the forward's all-gathers ahead of use
+(prefetch, gather buckets) along the last training step's order; and the
+step's record of the forward that the backward orders derive from.
+
+``ForwardWalk`` is the forward part of ``RootContext`` (_state.py holds the
+step lifecycle and sets every attribute, _backward_schedule.py the backward's
+collectives). It is a mixin: it writes ``_walk``, ``_orders`` (the learned
+orders, one ``_Learned`` per kind of root forward), ``_order_pgs``, ``_clock``
+and the forward's record (``_step_order``, ``_first_pre``, ``_grad_follows``,
+``_in_orders``, ``_last_post``, ``_regions``); it reads ``root``, ``units``,
+``_unit_index``, ``settings``, ``streams``, ``communicates``,
+``in_training_forward``, ``last_step_order``, ``_callback_queued`` and, for a
+gather bucket in backward, ``_gather_positions`` / ``_gather_order`` of
+``BackwardSchedule``. ``RootContext.root_pre_forward`` starts each root
+forward's ``_Walk``.
+
+[Note: forward order]
+Forward all-gathers are issued at pre-forward hooks, so a unit whose forward
+runs on some ranks only (an expert no token was routed to here, an ``if`` on
+data) would leave the ranks' all-gathers unpaired: a hang, a size mismatch, or
+silently wrong parameters where two units have the same size. So every rank
+follows ONE order of unit forwards, a sequence of events ``+u`` (u's forward
+starts: it is gathered) and ``-u`` (it ends), per kind of root forward (the
+method run, training or eval; an eval forward follows its method's training
+order once there is one):
+
+- *Follow* (the steady state; no collective of its own). At each of its own
+  events a rank finds the next such event in the order. The events before
+  it, which this rank skipped, it *catches up* first: a ``+v`` all-gathers v
+  (and its forward prefetch) as v's pre-forward would, a ``-v`` reshards v as
+  its post-forward would (a unit skipped here is gathered and freed at once
+  unless it keeps its parameters after forward), and both are recorded in the
+  step's bookkeeping (``_step_order``, the clocks, ``_in_orders`` when a
+  backward follows it elsewhere) at their place in the order. So the sharded
+  states, the forward prefetches and gather buckets (which walk the recorded
+  order), the backward's gather and reduce orders and slots are the same on
+  every rank; a unit skipped here gets no gradient here, and its
+  reduce-scatter is zero-filled (every rank gets the rank average, as DDP
+  with ``find_unused_parameters=True``). A rank whose event is not in the
+  rest of the order (a unit outside it, called more often, run after its
+  place passed, or nested otherwise) raises before any collective of its
+  own: it cannot go on alone.
+- *Agree* (a kind's first forwards, or every forward with
+  ``set_forward_order_dynamic(True)``). At each event the ranks all-reduce
+  (min) a code of the event each wants next (a ``+u``: u's index in module
+  order; a ``-u``: after every ``+``, innermost open unit first, with what
+  follows u's forward); every rank then does the winning event, catching it
+  up if it was not its own. A unit gathered for another rank's ``+v`` is held
+  (it may run here before its ``-v``). The agreed sequence is the same on
+  every rank by construction; a training forward then labels its checkpoint
+  regions (min all-reduces of each rank's labels until none lowers). Cost:
+  one 8-byte all-reduce per event (per group: shard, then replicate), a host
+  sync each on NCCL.
+- Learning: the agreed orders of a kind are merged (units missing from the
+  order are inserted where the newer order has them) until the order holds
+  every unit, or LEARNING_FORWARDS forwards agreed; then the kind follows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _compat
+from ._common import label, trace, unit_error
+from ._flat_group import gather_bucket
+from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
+
+if TYPE_CHECKING:
+    from ._unit import Unit
+
+
+class LastStepOrder:
+    """The units in the order of their first forward in the last training
+    step (re-recorded every step, so a changed order is followed from the
+    next step on). Forward prefetching walks it: ``next_units(u, n)`` are
+    the n units after ``u``; all-gather buckets read ``position``.
+    """
+
+    def __init__(self):
+        self.execution_order: list[Unit] = []
+        self._next: dict[Unit, list[Unit]] = {}
+        self.position: dict[Unit, int] = {}
+
+    def set_order(self, order: list[Unit]) -> None:
+        if order != self.execution_order:
+            self.execution_order = order
+            self._next = {u: order[i + 1:] for i, u in enumerate(order)}
+            self.position = {u: i for i, u in enumerate(order)}
+
+    def next_units(self, unit: Unit, n: int) -> list[Unit]:
+        return self._next.get(unit, [])[:n]
+
+    def __repr__(self) -> str:
+        order = [u.fqn or "<root>" for u in self.execution_order]
+        return f"LastStepOrder({order})"
+
+
+class ForwardWalk:
+    """The forward order, forward prefetch and gather buckets of ``RootContext``."""
+
+    def record_forward(self, unit: Unit) -> bool:
+        """``unit``'s forward starts. Returns whether to all-gather it now
+        (False: it was gathered already, at its place in the forward order)."""
+        walk = self._walk
+        if walk is None:  # no root forward running (an inner unit called alone), or world 1
+            self._record_pre(unit)
+            region = self._region_here()
+            if region is not None:
+                self._regions.setdefault(unit, set()).add(region)
+            return True
+        if unit in walk.held:  # gathered at its place in the order: it runs here after all
+            del walk.held[unit]
+            walk.running.add(unit)
+            return False
+        j = self._agree(walk, True, unit) if walk.agree else self._follow(walk, True, unit)
+        walk.running.add(unit)
+        self._clock = walk.base + j
+        self._record_pre(unit)
+        if walk.agree and self.in_training_forward:
+            walk.seen[j] = self._region_here()
+        return True
+
+    def _region_here(self):
+        """The activation-checkpoint region a unit's forward starts in (see
+        _slot_of): a non-reentrant one's while grad is on, a reentrant one's
+        for a no-grad island of a training forward."""
+        if torch.is_grad_enabled():
+            return _compat.checkpoint_region()
+        return _compat.reentrant_checkpoint_region() if self.in_training_forward else None
+
+    def _record_pre(self, unit: Unit) -> None:
+        self._step_order.setdefault(unit, None)
+        self._clock += 1
+        self._first_pre.setdefault(unit, self._clock)
+
+    def forward_end(self, unit: Unit, flag: int) -> None:
+        """``unit``'s forward ends (before its post-forward's reshard and
+        bookkeeping); ``flag``: what follows it (_forward_order.GRAD ...)."""
+        walk = self._walk
+        if walk is None:
+            return
+        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
+        walk.running.discard(unit)
+        self._clock = walk.base + j
+        if unit is self.root:
+            self._end_walk(walk)
+
+    # ---------------------------------------------------- the forward order
+    def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
+        """The index of this rank's event in the learned order, after catching
+        up the events before it that this rank skipped (see the Note)."""
+        order, i = walk.order, walk.next
+        if i < len(order) and order.units[i] is unit and order.pre[i] is pre:
+            walk.next = i + 1  # the common case: nothing skipped
+            return i
+        j = order.find(pre, unit, i)
+        blocked = None if j is None else order.blocked(i, j, walk.running)
+        if j is None or blocked is not None:  # (before any collective of the catch-up)
+            raise self._departure(walk, pre, unit, blocked)
+        for k in range(i, j):
+            self._catch_up(walk, k, order.pre[k], order.units[k], order.flag[k])
+        walk.next = j + 1
+        return j
+
+    def _agree(self, walk: "_Walk", pre: bool, unit: Unit, flag: int = NO_BACKWARD) -> int:
+        """Agree with the other ranks on the next event of the order (see the
+        Note); catch up the events agreed before this rank's own. Returns its index."""
+        order = walk.order
+        if pre and unit is self.root and not len(order):  # every rank's forward starts so
+            walk.open(0, unit)
+            return order.append(True, unit)
+        n = len(self.units)
+        want = (self._unit_index[unit] * 4 if pre
+                else (n + _OPEN_MAX - walk.opened[unit]) * 4 + 3 - flag)
+        while True:
+            got = self._min_across([want])[0]
+            q, r = divmod(got, 4)
+            if q < n:
+                e_pre, v, e_flag = True, self.units[q], NO_BACKWARD
+            else:
+                e_pre, v, e_flag = False, walk.open_at[_OPEN_MAX - (q - n)], 3 - r
+            j = order.append(e_pre, v, e_flag)
+            if e_pre:
+                walk.open(j, v)
+            else:
+                walk.close(v)
+            if v is unit and e_pre is pre:
+                return j
+            if not e_pre and v in walk.running:
+                raise unit_error(v.fqn, f"another rank ended this unit's forward while it still "
+                                 f"runs here, inside the forward of '{unit.fqn or '<root>'}': the "
+                                 "ranks nest their units' forwards differently. Agreed so far: "
+                                 f"{order.describe(len(order) - 1)}.", _ORDER_FIX)
+            self._catch_up(walk, j, e_pre, v, e_flag)
+
+    def _catch_up(self, walk: "_Walk", k: int, pre: bool, unit: Unit, flag: int) -> None:
+        """Event ``k`` of the order, which this rank skipped: take part in its
+        all-gathers (pre) or reshard as its post-forward would (post), and
+        record it where it is in the order."""
+        self._clock = walk.base + k
+        if pre:
+            self._record_pre(unit)
+            walk.held[unit] = k
+            unit.forward_skipped()
+            return
+        walk.held.pop(unit, None)
+        unit.forward_skipped_end(grad_follows=flag == GRAD and self.in_training_forward)
+        if self.in_training_forward and flag != NO_BACKWARD:
+            self._enter_orders(unit)  # no gradient here: zero-filled, see [Note:
+            # collective order] in _backward_schedule.py
+
+    def _end_walk(self, walk: "_Walk") -> None:
+        """The root's forward ends: label this forward's checkpoint regions
+        from the order, and keep what a training forward agreed on."""
+        self._walk = None
+        order = walk.order
+        if walk.agree:
+            if self.in_training_forward:
+                self._label_regions(walk)
+            walk.learned.add(order, self.units)
+        if not self.in_training_forward:
+            return
+        for k in range(len(order)):
+            if order.pre[k] and order.region[k] >= 0:  # rank-independent keys (see the Note)
+                self._regions.setdefault(order.units[k], set()).add((walk.base, order.region[k]))
+
+    def _label_regions(self, walk: "_Walk") -> None:
+        """Label each agreed pre event with its checkpoint region: the same
+        label on every rank for units whose forwards ran in one region on any
+        rank (the lowest index among them), -1 for none. Min all-reduces until
+        no rank lowers a label (one when no rank saw a region)."""
+        n = len(walk.order)
+        groups: dict = {}
+        for j, region in walk.seen.items():
+            if region is not None:
+                groups.setdefault(region, []).append(j)
+        labels, lowered = [_NO_REGION] * n, bool(groups)
+        for js in groups.values():
+            for j in js:
+                labels[j] = min(js)
+        while True:
+            got = self._min_across(labels + [-int(lowered)])
+            labels, lowered = got[:n], False
+            if got[n] == 0:
+                break
+            for js in groups.values():
+                low = min(labels[j] for j in js)
+                for j in js:
+                    lowered |= labels[j] != low
+                    labels[j] = low
+        walk.order.region = [-1 if x == _NO_REGION else x for x in labels]
+
+    def _min_across(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over every rank this root's units gather
+        with (the shard groups, then the replicate groups: HSDP)."""
+        if self._order_pgs is None:
+            shard, replicate = [], []
+            for u in self.units:
+                for g in u.groups:
+                    if g.world > 1 and g.pg not in shard:
+                        shard.append(g.pg)
+                    if g.replicate_pg is not None and g.replicate_pg not in replicate:
+                        replicate.append(g.replicate_pg)
+            self._order_pgs = (shard, replicate)
+        return self.streams.min_across(values, *self._order_pgs)
+
+    def _departure(self, walk: "_Walk", pre: bool, unit: Unit, blocked: int | None):
+        order = walk.order
+        what = "starts" if pre else "ends"
+        if blocked is None:
+            why = (f"its forward {what} here, but the forward order has no such event left "
+                   "(a unit outside the order, one called more often than in it, or one "
+                   "that runs after its place in the order has passed)")
+        else:
+            why = (f"its forward {what} here, but to reach that point of the forward order "
+                   f"this rank would pass over an event of '{order.units[blocked].fqn}', whose "
+                   "forward runs here now")
+        return unit_error(unit.fqn, f"{why}. Every rank follows one order of unit forwards "
+                          "(learned in the first forwards; a rank that skips a unit takes "
+                          "part in its all-gathers where the order has it): "
+                          f"{order.describe(walk.next)} (next: event {walk.next}; +unit: its "
+                          "forward starts, -unit: it ends). Going on would issue all-gathers "
+                          "in an order the other ranks do not.", _ORDER_FIX)
+
+    def prefetch_forward(self, unit: Unit) -> None:
+        """Issue the all-gathers of the units expected to run after ``unit``.
+
+        Same on every rank: the order is the last training step's, and which
+        units are sharded is rank-independent. Only inside a training forward
+        of the root: a prefetch an eval forward leaves unconsumed (an inner
+        unit called directly) would be resharded by nothing, and go stale at
+        the next optimizer step; a training step's leftovers are resharded by
+        its final callback or the next step's root forward.
+        """
+        if not self.in_training_forward:
+            return
+        targets = unit.forward_prefetch
+        if targets is None:
+            targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
+        for v in targets:
+            if not v.is_unsharded:
+                trace("prefetch", v.fqn, "forward")
+                v.unshard()
+
+    def gather_in_bucket(self, unit: Unit) -> bool:
+        """All-gather ``unit`` and the units after it in the current order (the
+        last step's forward order in a training forward, the gather order in
+        backward) as one bucket, if all-gather buckets are on and at least two
+        fit. A bucket is a maximal run of consecutive units that are sharded
+        and together write at most the bucket size: a function of the order,
+        the sizes and the sharded states, which every rank shares, so every
+        rank issues the same collectives."""
+        limit = self.settings.gather_bucket_bytes
+        if limit <= 0 or not self.communicates:
+            return False
+        if self._callback_queued:  # in backward
+            pos, order = self._gather_positions(), self._gather_order
+        elif self.in_training_forward:
+            pos, order = self.last_step_order.position, self.last_step_order.execution_order
+        else:
+            return False  # eval: nothing would reshard what a bucket fetched ahead
+        i = pos.get(unit)
+        if i is None:
+            return False
+        units, total = [], 0
+        backward = self._callback_queued
+        for v in order[i:]:
+            nbytes = v.gather_bytes()
+            if nbytes is None or (units and total + nbytes > limit) \
+                    or (backward and not v.unshard_in_backward):
+                break
+            units.append(v)
+            total += nbytes
+        if len(units) < 2:
+            return False
+        by_key: dict[tuple, list] = {}
+        for v in units:
+            trace("all_gather", v.fqn, "bucketed")
+            for g in v.groups:
+                by_key.setdefault(g.gather_key(), []).append(g)
+        with label("all_gather", units[0].fqn):
+            for groups in by_key.values():
+                if len(groups) == 1:  # nothing to merge it with: no bucket copies
+                    groups[0].unshard(self.streams)
+                else:
+                    gather_bucket(groups, self.streams)
+        return True
+
+    def expect_backward(self, unit: Unit, island: bool = False) -> None:
+        """``unit``'s forward ended with a backward to follow, or (``island``)
+        ran without grad inside the training forward."""
+        if not island:
+            self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
+            self._grad_follows[unit] = None
+        self._enter_orders(unit)
+
+    def _enter_orders(self, unit: Unit) -> None:
+        self._in_orders.pop(unit, None)
+        self._in_orders[unit] = None
+        self._clock += 1
+        self._last_post[unit] = self._clock
+
+    def expects_backward(self, unit: Unit) -> bool:
+        return unit in self._grad_follows
+
+
+LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
+_OPEN_MAX = 1 << 40    # agreement codes of post events (see ForwardWalk._agree)
+_NO_REGION = 1 << 62
+_ORDER_FIX = ("If the order of the units' forwards changes by design (not only units "
+              "skipped on some ranks), call set_forward_order_dynamic(True) on the root: the "
+              "ranks then agree on the order in every forward (one small all-reduce per unit "
+              "forward start and end).")
+
+
+class _Learned:
+    """The forward order learned for one kind of root forward (see [Note:
+    forward order]): the orders agreed on, merged, until it holds every unit
+    or LEARNING_FORWARDS forwards agreed."""
+
+    def __init__(self):
+        self.order: ForwardOrder | None = None
+        self.complete = False
+        self.forwards = 0
+
+    def learning(self) -> bool:
+        return self.order is None or (not self.complete and self.forwards < LEARNING_FORWARDS)
+
+    def add(self, order: ForwardOrder, units: list) -> None:
+        self.order = merged(self.order, order)
+        self.complete = self.order.covers(units)
+        self.forwards += 1
+
+
+class _Walk:
+    """One root forward, followed event by event (see [Note: forward order])."""
+
+    def __init__(self, order: ForwardOrder, agree: bool, base: int, learned: _Learned):
+        self.order = order    # the learned order, or (agree) the one agreed in this forward
+        self.agree = agree
+        self.learned = learned
+        self.next = 0         # (follow) the index of the next event expected
+        self.base = base      # the clock at the root's pre-forward: event k is at base + k + 1
+        self.running: set = set()   # units whose forward runs on this rank now
+        self.held: dict = {}        # units gathered for the order whose forward is not
+                                    # running here, their end not reached -> index of start
+        self.opened: dict = {}      # (agree) open units -> index of their start
+        self.open_at: dict = {}     # ... and back
+        self.seen: dict = {}        # (agree) start index -> this rank's checkpoint region
+
+    def open(self, j: int, unit) -> None:
+        self.opened[unit] = j
+        self.open_at[j] = unit
+
+    def close(self, unit) -> None:
+        del self.open_at[self.opened.pop(unit)]

@@ -1,0 +1,77 @@
+"""The root's side of the step checks of [Note: divergence] (_divergence.py):
+the settings that shape a step's collectives besides the forward itself,
+which ``StepChecks.before`` compares across ranks at every root forward and
+backward start, and the check of a step this rank left half-done.
+
+``RootStepChecks`` is a mixin of ``RootContext`` (_state.py, which calls it
+from ``root_pre_forward`` and ``on_backward_hook``): it writes ``_settings``;
+it reads ``settings``, ``units`` and ``checks``.
+"""
+from __future__ import annotations
+
+from . import _collectives, _divergence
+from ._common import TrainingState
+
+
+class RootStepChecks:
+    """The settings fingerprint and the half-done check of ``RootContext``."""
+
+    def _schedule_settings(self) -> tuple:
+        """(settings, describe): what shapes a phase's collectives besides the
+        forward itself, as ints and bools only (hashed alike in every process),
+        and a function explaining them in lines (see [Note: divergence]).
+        Recomputed only after a setter or a requires_grad change."""
+        if self._settings[0] != _divergence.settings_generation:
+            self._settings = (_divergence.settings_generation, self._make_settings())
+        return self._settings[1]
+
+    def _make_settings(self) -> tuple:
+        root, index = self.settings, self.checks.index
+        settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
+                    root.is_last_backward, root.forward_order_dynamic, tuple(
+                        (u.requires_gradient_sync, u.reshard_after_forward,
+                         u.reshard_after_backward, u.unshard_in_backward,
+                         tuple(g.requires_grad for g in u.groups),
+                         tuple(g.requires_all_reduce for g in u.groups
+                               if g.replicate_pg is not None),
+                         _positions(index, u.forward_prefetch),
+                         _positions(index, u.backward_prefetch))
+                        for u in self.units))
+        names = self.checks.names
+
+        def describe() -> list[str]:
+            depth, rs_bytes, ag_bytes, last, dynamic, per = settings
+            return [_where(names, per, lambda s: not s[0], "set_requires_gradient_sync(False)"),
+                    _where(names, per, lambda s: False in s[5], "set_requires_all_reduce(False)"),
+                    _where(names, per, lambda s: not s[1], "reshard_after_forward False"),
+                    _where(names, per, lambda s: not s[2], "set_reshard_after_backward(False)"),
+                    _where(names, per, lambda s: not s[3], "set_unshard_in_backward(False)"),
+                    _where(names, per, lambda s: False in s[4], "frozen parameter groups"),
+                    _where(names, per, lambda s: s[6] != -1 or s[7] != -1,
+                           "explicit prefetch (set_modules_to_*_prefetch)"),
+                    f"root: prefetch depth {depth}, reduce-scatter bucket {rs_bytes} B, "
+                    f"all-gather bucket {ag_bytes} B, is_last_backward {last}, "
+                    f"forward_order_dynamic {dynamic}"]
+        return settings, describe
+
+    def _left_half_done(self) -> None:
+        """This rank left its last step half-done (an exception inside its
+        forward or backward): go on only if every rank left it at the same
+        collective, else raise (see [Note: divergence])."""
+        busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
+                if u.state is not TrainingState.IDLE]
+        where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
+        where = f"units not finished: {where}" if busy else "its backward did not finish"
+        self.checks.left(_collectives.issued(), where)
+
+
+# ---------------------------------------------------------------------------
+def _positions(index: dict, units: list | None):
+    return -1 if units is None else tuple(index.get(v, -1) for v in units)
+
+
+def _where(names: list[str], per: tuple, pick, what: str) -> str:
+    hit = [n for n, s in zip(names, per) if pick(s)]
+    shown = ", ".join(f"'{n}'" for n in hit[:6]) + (f" and {len(hit) - 6} more"
+                                                     if len(hit) > 6 else "")
+    return f"{what} on: {shown or 'no unit'}"
