@@ -483,11 +483,11 @@ class Step:
         """Its parameter gradients are computed, assembled, accumulated."""
         for g in u.trainable:
             if self._hooked(u) and g.world > 1:  # Unit._grads_computed
-                self._drain()
                 if self.state[id(g)] != _SHARDED:
                     self._event("reshard", u)
                     self._reshard_group(g)
                 self._gather_up_to(self._stop(u))
+                self._drain()
             self.flat_grad[id(g)] = g.grad_bytes  # the split backward's cat
         if not u.trainable:
             return
