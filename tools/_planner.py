@@ -38,7 +38,7 @@ parameter gradients before the flat gradient is assembled, activations.
 Two backward schedules, as in [Note: gloo backward] (_unit.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
-wait, reshard and prefetch once a unit's gradients are computed).
+reshard, prefetch, then wait, once a unit's gradients are computed).
 """
 from __future__ import annotations
 
