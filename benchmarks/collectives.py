@@ -3,8 +3,9 @@
     python -m benchmarks.collectives [--world-size 2] [--sizes 0.0625 1 4 16 64] [--repeats 11]
 
 ``fsdp_compose._collectives`` builds them, for CPU tensors on gloo, from one
-broadcast per rank (all-gather) and an in-place all-reduce (reduce-scatter);
-see its "[Note: gloo collectives]". For every size (MiB of the unsharded fp32
+broadcast per rank (all-gather) and an in-place all-reduce (reduce-scatter;
+over 2 ranks up to 1 MiB a send/recv exchange instead); see its "[Note: gloo
+collectives]". For every size (MiB of the unsharded fp32
 buffer: the all-gather output, the reduce-scatter input) each repeat runs, in
 an order that alternates between repeats:
 

@@ -1,6 +1,6 @@
 """fsdp_compose against its peers, on the same model and data in one invocation.
 
-    python -m benchmarks.peers                       # both shapes, 2 gloo CPU ranks
+    python -m benchmarks.peers                       # every shape, 2 gloo CPU ranks
     python -m benchmarks.peers --shape memory --repeats 5
     python -m benchmarks.peers --world-size 1        # adds "local" (plain PyTorch)
     python -m benchmarks.peers --profile fsdp_compose --shape overhead
@@ -83,9 +83,10 @@ threads: less sensitive than wall time to a busy machine); peak RSS per rank
 the largest relative per-step loss difference against DDP. This orchestrating
 process never imports torch (matplotlib only at the end, for the plot).
 
-Defaults (both shapes, 4 implementations, 3 repeats) take ~5-7 minutes on a
-2-core machine: overhead 3 warmup + 15 timed steps, memory 1 + 3 (its steps
-take seconds each on gloo: ~1.5 GiB of collectives per step per rank).
+Defaults (all four shapes, 4 implementations, 3 repeats) take ~11-15 minutes
+on a 2-core machine: overhead 3 warmup + 15 timed steps, memory and deep 1 + 3
+(their steps take seconds each on gloo: ~1.5 GiB of collectives per step per
+rank), deep-small 2 + 5.
 
 Under torchrun (RANK/WORLD_SIZE set) the processes are torchrun's: NCCL when
 CUDA is there (peak = ``torch.cuda.max_memory_allocated``), one implementation

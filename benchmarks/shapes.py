@@ -40,4 +40,10 @@ SHAPES = {
     "deep": Shape("deep", dim=1024, hidden=4096, blocks=16, batch=8, act="gelu",
                   steps=3, warmup=1,
                   what="16 x [Linear(1024,4096)+GELU+Linear(4096,1024), residual] + LayerNorm"),
+    # Deep and small: 32 blocks of ~2.1M (8.4 MB fp32 each: below glibc's 32 MiB
+    # mmap threshold, so every per-unit buffer comes from the heap; each unit
+    # still above the 1 MiB buckets).
+    "deep-small": Shape("deep-small", dim=512, hidden=2048, blocks=32, batch=8, act="gelu",
+                        steps=5, warmup=2,
+                        what="32 x [Linear(512,2048)+GELU+Linear(2048,512), residual] + LayerNorm"),
 }

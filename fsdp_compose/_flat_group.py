@@ -322,6 +322,8 @@ class FlatGroup(GradientPath):
                 e.unsharded = e.sharded
             self.split_node = None
             return
+        if self.state is ShardedState.UNSHARDING:
+            self._ensure_flat()  # (gathered in a bucket: not yet, see _GatherBucketWork)
         chunks = torch.split(self.flat, self._split_sizes)
         for e, i, trains in zip(self.entries, self._view_at, self._trains):
             v = chunks[i] if trains else chunks[i].detach()
@@ -362,6 +364,12 @@ class FlatGroup(GradientPath):
     def _alloc_flat(self) -> None:
         if self._frees_storage():
             self.flat.untyped_storage().resize_(self.padded_numel * self.flat.element_size())
+
+    def _ensure_flat(self) -> None:
+        """The flat allocated if it is not (a group gathered in a bucket gets
+        it at its first use, see _GatherBucketWork)."""
+        if self._frees_storage() and self.flat.untyped_storage().nbytes() == 0:
+            self._alloc_flat()
 
     def unshard(self, streams: StreamManager) -> None:
         """Issue the all-gather (no wait). Idempotent."""
@@ -452,22 +460,53 @@ class FlatGroup(GradientPath):
 
 
 class _GatherBucketWork:
-    """The all-gather several groups share: waited once, then every group's
-    chunks are copied from the bucket into its own flat buffer."""
+    """The all-gather several groups share: waited once; each group's chunks
+    are copied from the bucket into its flat buffer when that group waits
+    (its flat is allocated then, or at its views' refresh just before), and
+    the bucket is released after the last copy.
 
-    def __init__(self, pending: Pending, groups: list[FlatGroup], buf: torch.Tensor):
-        self._pending, self._groups, self._buf = pending, groups, buf
+    So the bucket's flats are not all allocated at once: a unit's flat exists
+    from its own pre-forward / pre-backward on, as without buckets, and at
+    most the bucket plus the flats in use are alive (not the bucket plus
+    every flat it covers). ``flush()`` copies out every group still waiting
+    (the next bucket of the same kind wants the kept buffer, see [Note:
+    bucket buffers] in _streams.py)."""
+
+    def __init__(self, pending: Pending, groups: list[FlatGroup], buf: torch.Tensor,
+                 streams: StreamManager):
+        self._pending, self._buf, self._streams = pending, buf, streams
+        self._at: dict[int, tuple[FlatGroup, int]] = {}
+        at = 0
+        for g in groups:
+            self._at[id(g)] = (g, at)
+            at += g.shard_numel
+
+    def wait_group(self, g: FlatGroup) -> bool:
+        """``g``'s chunks are in its flat."""
+        self._pending.wait()  # (idempotent; on CUDA it orders the current stream)
+        entry = self._at.pop(id(g), None)
+        if entry is not None:
+            g._ensure_flat()
+            W, at, S = g.world, entry[1], g.shard_numel
+            g.flat_data.view(W, S).copy_(self._buf.view(W, -1)[:, at:at + S])
+            if not self._at:
+                self._streams.release(self._buf)
+                self._buf = self._streams = None
+        return True
+
+    def flush(self) -> None:
+        for g, _ in list(self._at.values()):
+            self.wait_group(g)
+
+
+class _GroupShare:
+    """One group's wait on a shared all-gather bucket."""
+
+    def __init__(self, work: _GatherBucketWork, group: FlatGroup):
+        self._work, self._group = work, group
 
     def wait(self) -> bool:
-        if self._pending is not None:
-            self._pending.wait()
-            W = self._groups[0].world
-            rows, at = self._buf.view(W, -1), 0
-            for g in self._groups:
-                g.flat_data.view(W, g.shard_numel).copy_(rows[:, at:at + g.shard_numel])
-                at += g.shard_numel
-            self._pending = self._groups = self._buf = None
-        return True
+        return self._work.wait_group(self._group)
 
 
 def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
@@ -476,21 +515,21 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     The bucket is rank-major (for each rank r, every group's chunk r in turn):
     this rank's row is filled from the shards (cast / host-to-device in the
     same pass), gathered, and each group's chunks are copied into its flat
-    when the first of them waits. For many small units, where a collective's
-    latency dominates its bytes: one collective instead of one per unit, for
-    two copies of the bucket.
+    when that group waits (see _GatherBucketWork). For many small units,
+    where a collective's latency dominates its bytes: one collective instead
+    of one per unit, for two copies of the bucket.
     """
     first = groups[0]
     W, total = first.world, sum(g.shard_numel for g in groups)
-    buf = torch.empty(W * total, dtype=first.compute_dtype, device=first.device)
+    work = _GatherBucketWork(None, groups, None, streams)
+    buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
     for g in groups:
         g.unsharded_version = g.shard._version
-        g._alloc_flat()
         streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
         at += g.shard_numel
     what = (first.unit_fqn, f"{_GATHER} (a bucket of {len(groups)} groups from here on)")
-    work = _GatherBucketWork(streams.all_gather(buf, mine, first.pg, what), groups, buf)
+    work._pending, work._buf = streams.all_gather(buf, mine, first.pg, what), buf
     for g in groups:
-        g._pending = Pending(work, ())
+        g._pending = Pending(_GroupShare(work, g), ())
         g.state = ShardedState.UNSHARDING

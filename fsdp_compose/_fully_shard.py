@@ -120,14 +120,24 @@ def _reduce_scatter_group(pg):
     See [Note: collective order] in _backward_schedule.py: all-gathers and reduce-scatters
     each follow their own rank-independent order, so they must not share a
     group. Created at fully_shard time (every member calls fully_shard in the
-    same order); only the members take part.
+    same order); only the members take part. Nothing but fully_shard's
+    reduce-scatters (and their used-flags) runs on it: on gloo, small ones
+    are point-to-point exchanges (see [Note: gloo collectives]).
+
+    Over every rank of the default group (the usual 1-D mesh) it is made
+    without ``use_local_synchronization``: every rank is a member, so every
+    rank calls ``new_group`` here, and torch then names the group by a
+    counter instead of a SHA-1 of its ranks, which initialises OpenSSL in
+    every rank (about 1-1.5 MiB of RSS, measured; docs/design.md, "Peak RSS
+    of small units").
     """
     if dist.get_world_size(pg) == 1:
         return pg
     key = dist.get_process_group_ranks(pg)
     key = (tuple(key), dist.get_backend(pg))
     if key not in _RS_GROUPS:
-        _RS_GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=True)
+        world = key[0] == tuple(range(dist.get_world_size()))
+        _RS_GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=not world)
     return _RS_GROUPS[key]
 
 

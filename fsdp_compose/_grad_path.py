@@ -118,6 +118,7 @@ class _GradLaunch:
     used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
+    bucket: torch.Tensor | None = None   # the input, from streams.bucket (released once waited)
     done: bool = field(default=False)
     folded: bool = field(default=False)
 
@@ -130,6 +131,9 @@ class _GradLaunch:
     def finish(self) -> None:
         if not self.done:
             out = self.pending.wait()
+            if self.bucket is not None:
+                self.streams.release(self.bucket)
+                self.bucket = None
             self.done = True
             if not self.folded:
                 self.fold(out)
@@ -410,7 +414,9 @@ def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_
     for g, t in zip(groups, taken):
         cols.append(t.flat_grad.view(W, g.shard_numel))
         cols.append(g.flags_row(t.used).expand(W, len(t.used)))
-    flat = torch.cat(cols, dim=1)
+    n = sum(c.shape[1] for c in cols)
+    flat = streams.bucket("reduce_scatter", W * n, cols[0].dtype, first.device).view(W, n)
+    torch.cat(cols, dim=1, out=flat)  # (see [Note: bucket buffers] in _streams.py)
     launches, at = [], 0
     for g, t in zip(groups, taken):
         n = g.shard_numel + len(t.used)
@@ -423,4 +429,5 @@ def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_
                                                       "groups from here on)"))
     for launch in launches:
         launch.pending = pending
+        launch.bucket = flat
     return launches

@@ -162,6 +162,7 @@ class StreamManager:
             self.all_gather_stream = runtime.new_stream()
             self.reduce_scatter_stream = runtime.new_stream()
         self._all_reduce_stream = None  # made when an HSDP unit first reduces
+        self._buckets: dict = {}        # gloo: (kind, dtype, device) -> [buffer, holder or None]
         self._held: list = []           # kept alive by the post-reduce running now
         self._host_copies = False       # a copy to or from host memory since the last sync
         self._on_host: list = []        # work that reads such copies: after the sync
@@ -243,6 +244,49 @@ class StreamManager:
             self._all_reduce_stream = self._rt.new_stream()
         return self._all_reduce_stream
 
+    # -------------------------------------------------------- bucket buffers
+    def bucket(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device,
+               holder=None) -> torch.Tensor:
+        """A buffer of ``numel`` elements of ``dtype`` on ``device`` for an
+        all-gather or reduce-scatter bucket (``kind``), given back with
+        ``release`` once no collective or copy reads or writes it.
+        ``holder``: an object whose ``flush()`` releases it early (see below).
+
+        [Note: bucket buffers] On gloo each kind, dtype and device has one
+        buffer per root, made at the first bucket (the largest seen so far)
+        and kept. A bucket is made and dropped several times a step, and a
+        fresh block of its size each time (up to 1 MiB: heap memory, below
+        glibc's mmap threshold) left holes in the heap that later, smaller
+        allocations split, so the heap grew past its live bytes; kept, a
+        bucket costs its size once (peak RSS -1 to -1.5 MiB on the
+        benchmarks' overhead shape, docs/design.md "Peak RSS of small
+        units"). A buffer still in use when the next bucket of its kind comes
+        is flushed by its holder (an all-gather bucket copies its remaining
+        chunks out, see _flat_group._GatherBucketWork) or, without one (a
+        reduce-scatter still in flight; a backward that raised with one in
+        flight: gloo may still write it), not handed out again: that bucket
+        gets a fresh tensor. On CUDA the caching allocator reuses blocks
+        itself: always a fresh tensor.
+        """
+        if self._rt is not None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        key = (kind, dtype, device)
+        kept = self._buckets.get(key)
+        if kept is not None and kept[1] is not None and hasattr(kept[1], "flush"):
+            kept[1].flush()  # (releases it)
+        if kept is not None and kept[1] is not None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        if kept is None or kept[0].numel() < numel:
+            kept = self._buckets[key] = [torch.empty(numel, dtype=dtype, device=device), None]
+        kept[1] = holder if holder is not None else True
+        return kept[0][:numel]
+
+    def release(self, buf: torch.Tensor) -> None:
+        """``buf`` (from ``bucket``) is no longer read or written."""
+        for kept in self._buckets.values():
+            if kept[1] is not None and buf.data_ptr() == kept[0].data_ptr():
+                kept[1] = None
+
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:
         """Nothing to communicate (one rank): ``wait()`` returns ``result``."""
@@ -317,6 +361,8 @@ class StreamManager:
             self._rt.current_stream().record_event().synchronize()
         self._host_copies = False
         self._on_host = []
+        # a bucket buffer a dropped collective may still write: not reused
+        self._buckets = {k: v for k, v in self._buckets.items() if v[1] is None}
 
     def __repr__(self) -> str:
         mode = "async-collectives" if self._rt is None else "side-streams"

@@ -248,31 +248,42 @@ class Unit:
         and that cat, with the views' gradients still alive, is the peak of a
         unit's backward. Where waiting blocks the CPU (gloo), first:
 
-        1. finish the reduce-scatter in flight (the previous unit's), instead of
-           at this unit's post-backward right after the cat;
-        2. free the group's unsharded flat, instead of at the post-backward:
+        1. free the group's unsharded flat, instead of at the post-backward:
            every backward node that reads its views has run (each produces a
            gradient for them) and the cat reads none. Only for a unit used once
            this step, outside a nested (reentrant) backward: with several uses
            each use's views have their own split node, and an earlier use still
            reads the parameters. Per group: another group's views may still be
            read;
-        3. only then prefetch the next unit(s) of the gather order (see
+        2. only then prefetch the next unit(s) of the gather order (see
            RootContext.unshard_for_backward: such a unit did not prefetch at its
            pre-backward), so at most one unsharded unit is alive with the
-           gradients and the reduce-scatter in flight.
+           gradients and the reduce-scatter in flight;
+        3. finish the reduce-scatter in flight (the previous unit's: its
+           gradient shard is made, its flat gradient freed), instead of at this
+           unit's post-backward right after the cat.
+
+        The order is for the allocator: each buffer is freed right before the
+        one of its size that replaces it is made (this unit's flat, then the
+        next unit's; the previous unit's flat gradient, once its shard is
+        copied out, then this unit's cat), so the same block is handed back.
+        Waiting first freed two same-size buffers before either replacement
+        was made, and glibc's heap grew instead: peak RSS rose by about a
+        model's worth of flat gradients every step on a deep stack of 8 MB
+        units (below glibc's mmap threshold); see docs/design.md, "Backward
+        on gloo".
 
         On NCCL a wait only orders streams (waiting here would stall compute)
         and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
         gloo").
         """
         ctx = self.ctx
-        ctx.finish_in_flight()
         if self.reshard_after_backward and self.uses == 1 and not ctx.in_nested_backward() \
                 and group.state is not ShardedState.SHARDED:
             trace("reshard", self.fqn, "grads computed")
             group.reshard()
         ctx.prefetch_backward_late(self)
+        ctx.finish_in_flight()
 
     def post_forward(self, module: nn.Module, args, output):
         if self._cast_outputs is not None:  # (recomputation too: same saved tensors)

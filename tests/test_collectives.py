@@ -106,7 +106,11 @@ class _CountingWork:
         return self.work.wait(*a, **k)
 
 
-def _reduce_scatter_cases(rank, world):
+def _reduce_scatter_cases(rank, world, path):
+    """``path``: "all_reduce" (the in-place all-reduce) or "exchange" (the
+    point-to-point one of small inputs over 2 ranks), forced with
+    ``C.P2P_MAX_BYTES``."""
+    C.P2P_MAX_BYTES = 0 if path == "all_reduce" else 1 << 30
     checked = []
     for gname, group in _groups(rank, world):
         members = _members(group)
@@ -120,24 +124,34 @@ def _reduce_scatter_cases(rank, world):
                     ref = torch.full((S,), float("nan"))
                     _native_reduce_scatter(ref, flat.clone(), op=op, group=group)
 
-                    # count the waits on the underlying collective
-                    real_all_reduce, spies = dist.all_reduce, []
+                    # count the underlying collectives and the waits on them
+                    real = {n: getattr(dist, n) for n in ("all_reduce", "isend", "irecv")}
+                    spies = {n: [] for n in real}
 
-                    def spy(*a, **k):
-                        spies.append(_CountingWork(real_all_reduce(*a, **k)))
-                        return spies[-1]
+                    def spy(name):
+                        def call(*a, **k):
+                            spies[name].append(_CountingWork(real[name](*a, **k)))
+                            return spies[name][-1]
+                        return call
 
-                    dist.all_reduce = spy
+                    for n in real:
+                        setattr(dist, n, spy(n))
                     try:
                         work = C.reduce_scatter(flat.clone(), group, op)
                     finally:
-                        dist.all_reduce = real_all_reduce
-                    assert len(spies) == 1, f"{case}: {len(spies)} all-reduces"
+                        for n, f in real.items():
+                            setattr(dist, n, f)
+                    counts = {n: len(v) for n, v in spies.items()}
+                    exchange = path == "exchange" and w == 2  # (more ranks: all-reduce)
+                    want = ({"all_reduce": 0, "isend": 1, "irecv": 1} if exchange
+                            else {"all_reduce": 1, "isend": 0, "irecv": 0})
+                    assert counts == want, f"{case}: {counts}"
                     first = work.wait()
                     snapshot = first.clone()
                     second = work.wait()
                     assert second is first, f"{case}: a second wait() returned another tensor"
-                    assert spies[0].waits == 1, f"{case}: the collective was waited {spies[0].waits}x"
+                    waits = [s.waits for v in spies.values() for s in v]
+                    assert waits == [1] * len(waits), f"{case}: waits {waits}"
                     assert first.shape == (S,) and first.dtype == torch.float32, case
                     assert _bitwise_equal(second, snapshot), f"{case}: a second wait() changed it"
 
@@ -177,6 +191,7 @@ def _op_names(prof) -> dict[str, int]:
 
 def _gloo_path(rank, world):
     S = 64
+    C.P2P_MAX_BYTES = 0  # the all-reduce path (the exchange: _gloo_exchange_path)
     C.reset_comm_stats()
     out = torch.empty(world * S)
     out_bf16 = torch.empty(world * S, dtype=torch.bfloat16)
@@ -205,9 +220,10 @@ def test_all_gather_matches_torch(world):
     assert [len(c) for c in cases] == ([24] * 2 if world == 2 else [24] + [36] * 3), cases
 
 
+@pytest.mark.parametrize("path", ["all_reduce", "exchange"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_reduce_scatter_matches_torch(world):
-    cases = run_distributed(_reduce_scatter_cases, world)
+def test_reduce_scatter_matches_torch(world, path):
+    cases = run_distributed(_reduce_scatter_cases, world, path)
     # AVG/SUM × integer/random data × 3 sizes, on each group
     assert [len(c) for c in cases] == ([24] * 2 if world == 2 else [24] + [36] * 3), cases
 
@@ -229,3 +245,28 @@ def test_gloo_path_is_broadcast_and_all_reduce(world):
         assert stats.all_gather_bytes == world * S * 4 + world * S * 2, stats
         assert stats.reduce_scatter_bytes == world * S * 4, stats
         assert stats.all_reduce_calls == 0 and stats.all_reduce_bytes == 0, stats
+
+
+def _gloo_exchange_path(rank, world):
+    S = 64  # 512 B: below C.P2P_MAX_BYTES
+    C.reset_comm_stats()
+    flat = _data(rank, world * S, "int")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p_rs:
+        C.reduce_scatter(flat, None).wait()
+    return _op_names(p_rs), C.comm_stats()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_small_gloo_reduce_scatter_over_2_ranks_is_an_exchange(world):
+    """2 ranks: one send and one receive, no all-reduce (no scratch buffer on
+    gloo's worker thread, see [Note: gloo collectives]); more ranks: the
+    all-reduce. Counted as one reduce-scatter of the whole input either way."""
+    for rank, (rs, stats) in enumerate(run_distributed(_gloo_exchange_path, world)):
+        if world == 2:
+            assert rs.get("c10d::send") == 1 and rs.get("c10d::recv_") == 1, (rank, rs)
+            assert not any("allreduce" in k or "broadcast" in k or "reduce_scatter" in k
+                           for k in rs), (rank, rs)
+        else:
+            assert rs.get("c10d::allreduce_") == 1 and "c10d::send" not in rs, (rank, rs)
+        assert stats.reduce_scatter_calls == 1 and stats.reduce_scatter_bytes == world * 64 * 4
+        assert stats.all_reduce_calls == 0, stats

@@ -38,7 +38,7 @@ parameter gradients before the flat gradient is assembled, activations.
 Two backward schedules, as in [Note: gloo backward] (_unit.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
-wait, reshard and prefetch once a unit's gradients are computed).
+reshard, prefetch, then wait, once a unit's gradients are computed).
 """
 from __future__ import annotations
 
@@ -261,6 +261,8 @@ class Step:
         self.communicates = any(g.world > 1 for u in units for g in u.groups)
         self.state = {id(g): _SHARDED for u in units for g in u.groups}
         self.pf = set()                      # groups holding a post-forward shard
+        self.lazy: set[int] = set()          # gathered in a bucket, flat not yet allocated
+        self.ag_held: dict[str, list] = {}   # gloo: compute dtype -> groups of the kept buffer
         self.flat_grad: dict[int, int] = {}  # group -> flat gradient bytes
         self.in_flight: list[tuple[list[GroupInfo], int]] = []  # (groups, input bytes)
         self.comm = CommStats()  # the same counters comm_stats() reports
@@ -275,7 +277,7 @@ class Step:
             for g in u.groups:
                 if g.aliased:
                     continue
-                if self.state[id(g)] == _UNSHARDED:
+                if self.state[id(g)] == _UNSHARDED and id(g) not in self.lazy:
                     n += g.flat_bytes
                 if id(g) in self.pf:
                     n += g.flat_bytes // g.post_forward
@@ -324,6 +326,8 @@ class Step:
                         by_key.setdefault(g.gather_key(), []).append(g)
                 for groups in by_key.values():
                     self._count_gather(sum(g.flat_bytes for g in groups))
+                    if len(groups) >= 2:  # _flat_group.gather_bucket: flats made at use
+                        self._bucket_gathered(groups)
                     for g in groups:
                         self.state[id(g)] = _UNSHARDED
                 return
@@ -339,15 +343,27 @@ class Step:
         if issued:
             self._event("all_gather", u)
 
+    def _bucket_gathered(self, groups: list[GroupInfo]) -> None:
+        """A bucket's flats are allocated when each group waits; on gloo the
+        previous bucket of the dtype is flushed first (its kept buffer is
+        reused: see [Note: bucket buffers] in fsdp_compose/_streams.py)."""
+        if self.gloo:
+            for g in self.ag_held.pop(groups[0].compute_dtype, []):
+                self.lazy.discard(id(g))
+            self.ag_held[groups[0].compute_dtype] = groups
+        self.lazy.update(id(g) for g in groups)
+
     def _wait(self, u: UnitInfo) -> None:
         for g in u.groups:
             self.pf.discard(id(g))
+            self.lazy.discard(id(g))
 
     def _reshard_group(self, g: GroupInfo, to_post_forward: bool = False) -> None:
         st = self.state[id(g)]
         if st == _SHARDED:
             return
         self.pf.discard(id(g))  # (_complete_gather)
+        self.lazy.discard(id(g))
         if st == _PARTIAL:
             if not to_post_forward:
                 self.state[id(g)] = _SHARDED
@@ -483,11 +499,11 @@ class Step:
         """Its parameter gradients are computed, assembled, accumulated."""
         for g in u.trainable:
             if self._hooked(u) and g.world > 1:  # Unit._grads_computed
-                self._drain()
                 if self.state[id(g)] != _SHARDED:
                     self._event("reshard", u)
                     self._reshard_group(g)
                 self._gather_up_to(self._stop(u))
+                self._drain()
             self.flat_grad[id(g)] = g.grad_bytes  # the split backward's cat
         if not u.trainable:
             return

@@ -15,7 +15,9 @@ lanes in each row:
   includes waiting for its all-gather;
 - all-gather: when each of the unit's all-gathers ran (gloo's worker
   threads: one broadcast per rank); a bucket is drawn on its first unit;
-- reduce-scatter: when its reduce-scatter ran (a bucket: on its last unit).
+- reduce-scatter: when its reduce-scatter ran (a bucket: on its last unit;
+  a small one over 2 ranks is a point-to-point exchange: from its receive
+  posted to the data landed).
 
 A last row shows the optimizer step. Overlap, or its absence, is visible at
 a glance; the command also prints, per rank, how much of the collectives'
@@ -26,7 +28,8 @@ Where the times come from: the profiler labels the library emits
 every schedule event (``fsdp_compose.schedule::<event> (<unit>)``, from the
 same seam as ``fsdp_compose.record_schedule``), the c10d ops that issue each
 collective on the main thread and the ``gloo:*`` events on gloo's threads
-(matched to the issues in order). gloo CPU ranks only: on CUDA the profiler
+(matched to the issues in order; a receive's ``gloo:recv`` event is on the
+main thread). gloo CPU ranks only: on CUDA the profiler
 shows NCCL kernels instead, not read here.
 """
 from __future__ import annotations
@@ -135,6 +138,15 @@ def _spans(trace_path: str) -> dict:
             unit = _owner(ts, labels, kind, ag_marks)
             if unit is not None:
                 add(kind, unit, a, b)
+    # a small reduce-scatter over 2 ranks is a point-to-point exchange ([Note:
+    # gloo collectives] in fsdp_compose/_collectives.py): drawn from its
+    # receive's gloo:recv event (posted -> landed, on the main thread)
+    issues = [e["ts"] for e in mine if e["name"] == "c10d::recv_"]
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "gloo:recv")
+    for ts, (a, b) in zip(issues, runs):
+        unit = _owner(ts, labels, "reduce_scatter", ag_marks)
+        if unit is not None:
+            add("reduce_scatter", unit, a, b)
     return out
 
 
