@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import torch.distributed as dist
 
-from fsdp_compose import _flat_group, _fully_shard, _state, fully_shard
+from fsdp_compose import _flat_group, _fully_shard, _registry, _state, fully_shard
 
 from ._dist import run_distributed
 
@@ -41,7 +41,7 @@ def _alloc_order(rank, world):
     m = _stack(4, 16, 64)
     log = []
     alloc, free, drain = (_flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat,
-                          _state.RootContext._drain)
+                          _state.RootContext.finish_in_flight)
 
     def logged_alloc(g):
         log.append(("alloc", g.unit_fqn))
@@ -60,14 +60,14 @@ def _alloc_order(rank, world):
     m(x).sum().backward()
     _flat_group.FlatGroup._alloc_flat = logged_alloc
     _flat_group.FlatGroup._free_flat = logged_free
-    _state.RootContext._drain = logged_drain
+    _state.RootContext.finish_in_flight = logged_drain
     try:
         loss = m(x).sum()
         del log[:]
         loss.backward()
     finally:
         _flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat = alloc, free
-        _state.RootContext._drain = drain
+        _state.RootContext.finish_in_flight = drain
     return log
 
 
@@ -107,7 +107,7 @@ def test_peak_rss_stops_growing_on_a_deep_stack_of_heap_sized_units():
 
 def _allocated(m: nn.Sequential, n: int) -> list[int]:
     return [i for i in range(n)
-            if _state.unit_of(m[i]).groups[0].flat.untyped_storage().nbytes() > 0]
+            if _registry.unit_of(m[i]).groups[0].flat.untyped_storage().nbytes() > 0]
 
 
 def _flats_in_forward(rank, world):
@@ -143,7 +143,7 @@ def _kept_buckets(rank, world, steps):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        streams = _state.unit_of(m).ctx.streams
+        streams = _registry.unit_of(m).ctx.streams
         kept.append({k[0]: (v[0].data_ptr(), v[1] is None) for k, v in streams._buckets.items()})
     return kept, losses, [p.detach().clone() for p in m.parameters()]
 
