@@ -132,8 +132,11 @@ def test_a_bucket_makes_each_flat_when_its_unit_uses_it():
         assert seen == [[i] for i in range(8)], seen
 
 
-def _kept_buckets(rank, world, steps):
-    m = _stack(8, 16, 64, bucket_bytes=30_000)  # 3 blocks of 8.5 KB per bucket
+def _kept_buckets(rank, world, steps, bucket_bytes=30_000):
+    """``steps`` AdamW steps of an 8-block stack, with buckets of 3 blocks of
+    8.5 KB (``bucket_bytes=0``: one collective per unit, the reference): the
+    bucket buffers kept after each step, the losses and the parameters."""
+    m = _stack(8, 16, 64, bucket_bytes=bucket_bytes)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     kept, losses = [], []
@@ -154,26 +157,12 @@ def test_gloo_keeps_one_buffer_per_bucket_kind():
     step with the same two buffers (see [Note: bucket buffers]), none held
     between steps; the training is the per-unit one, bit for bit."""
     for (kept, losses, params), (_, ref_losses, ref_params) in zip(
-            run_distributed(_kept_buckets, 2, 4), run_distributed(_kept_buckets_ref, 2, 4)):
+            run_distributed(_kept_buckets, 2, 4), run_distributed(_kept_buckets, 2, 4, 0)):
         assert set(kept[0]) == {"all_gather", "reduce_scatter"}, kept
         assert all(k == kept[1] for k in kept[1:]), kept  # (the first step gathers per unit)
         assert all(free for k in kept for _, free in k.values()), kept
         assert losses == ref_losses
         assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
-
-
-def _kept_buckets_ref(rank, world, steps):
-    m = _stack(8, 16, 64)  # one collective per unit
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    x, y = torch.randn(4, 16), torch.randn(4, 16)
-    losses = []
-    for _ in range(steps):
-        loss = F.mse_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return None, losses, [p.detach().clone() for p in m.parameters()]
 
 
 def _rs_group_names(rank, world):
