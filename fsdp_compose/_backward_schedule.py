@@ -4,7 +4,7 @@ the reduce-scatters in flight.
 
 ``BackwardSchedule`` is the backward part of ``RootContext`` (_state.py
 holds the step lifecycle and sets every attribute: its ``_final_callback``
-finishes the sequence, ``_reset_backward`` clears it; _forward_walk.py
+finishes the sequence, ``reset`` clears it; _forward_walk.py
 records the forward the orders derive from). It is a mixin: it writes
 ``_gather_order``, ``_gather_pos``, ``_gather_next``, ``_order``, ``_next``,
 ``_slots``, ``_gets_grad``, ``_ready``, ``_launched``, ``_in_flight``,
@@ -86,7 +86,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _compat
-from ._common import label, trace
+from ._common import Gather, Reshard, label, trace
 from ._grad_path import launch_bucket
 
 if TYPE_CHECKING:
@@ -103,22 +103,6 @@ class BackwardSchedule:
                                    if u not in self._in_orders and u.completes_reduction()]
         return self._order
 
-    def unshard_for_backward(self, unit: Unit, need: bool = True) -> None:
-        """Issue the all-gather of ``unit`` (unless not ``need``ed: see
-        set_unshard_in_backward) and, first, of every unit before it in the
-        gather order; then prefetch (no wait). Prefetching is more of the same
-        prefix, so it never reorders collectives. Units that do not unshard in
-        backward are skipped in that order, on every rank alike."""
-        if unit in self._in_orders:
-            # On gloo a unit resharded after forward prefetches once its
-            # gradients are computed, see [Note: gloo backward] in _unit.py; a
-            # unit that kept its parameters (the root), or whose gradients have
-            # no hook (frozen), prefetches now.
-            late = unit.grads_hooked and unit.reshard_after_forward
-            self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
-        if need:
-            unit.unshard()
-
     def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
         pos = self._gather_positions()
         stop = pos[unit]
@@ -129,10 +113,47 @@ class BackwardSchedule:
             stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
         return min(stop, len(pos) - 1)
 
-    def prefetch_backward_late(self, unit: Unit) -> None:
-        """See [Note: gloo backward] in _unit.py (a no-op for what was prefetched)."""
+    def grads_computed(self, unit: Unit, group) -> None:
+        """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
+        gradients of its views into the flat gradient (``unit`` reports it,
+        from the node's pre-hook): all of them are computed, and that cat,
+        with the views' gradients still alive, is the peak of a unit's
+        backward. Where waiting blocks the CPU (gloo), first:
+
+        1. free the group's unsharded flat, instead of at the post-backward
+           (``RootContext.reshard``, GRADS_COMPUTED): every backward node that
+           reads its views has run (each produces a gradient for them) and the
+           cat reads none. Only for a unit used once this step, outside a
+           nested (reentrant) backward: with several uses each use's views
+           have their own split node, and an earlier use still reads the
+           parameters. Per group: another group's views may still be read;
+        2. only then prefetch the next unit(s) of the gather order (see
+           ``RootContext.gather``: such a unit did not prefetch at its
+           pre-backward), so at most one unsharded unit is alive with the
+           gradients and the reduce-scatter in flight (a no-op for what was
+           prefetched);
+        3. finish the reduce-scatter in flight (the previous unit's: its
+           gradient shard is made, its flat gradient freed), instead of at this
+           unit's post-backward right after the cat.
+
+        The order is for the allocator: each buffer is freed right before the
+        one of its size that replaces it is made (this unit's flat, then the
+        next unit's; the previous unit's flat gradient, once its shard is
+        copied out, then this unit's cat), so the same block is handed back.
+        Waiting first freed two same-size buffers before either replacement
+        was made, and glibc's heap grew instead: peak RSS rose by about a
+        model's worth of flat gradients every step on a deep stack of 8 MB
+        units (below glibc's mmap threshold); see docs/design.md, "Backward
+        on gloo".
+
+        On NCCL a wait only orders streams (waiting here would stall compute)
+        and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
+        gloo").
+        """
+        self.reshard(unit, Reshard.GRADS_COMPUTED, group=group)
         if unit in self._in_orders:
             self._gather_up_to(self._prefetch_stop(unit))
+        self.finish_in_flight()
 
     def _gather_positions(self) -> dict[Unit, int]:
         if self._gather_order is None:
@@ -147,9 +168,7 @@ class BackwardSchedule:
         while self._gather_next <= stop:
             self._issue_reductions(demand=True, final=final)
             self._gather_next += 1
-            unit = self._gather_order[self._gather_next - 1]
-            if unit.unshard_in_backward:
-                unit.unshard()
+            self.gather(self._gather_order[self._gather_next - 1], Gather.IN_ORDER)
         self._issue_reductions(final=final)
 
     def _reduces(self, unit: Unit) -> bool:
@@ -195,7 +214,10 @@ class BackwardSchedule:
                                for u in self.reduce_order() if self._reduces(u)}
         return any(self._gets_grad.values()) and not self._gets_grad.get(unit, False)
 
-    def grads_ready(self, unit: Unit) -> None:
+    def reduce(self, unit: Unit) -> None:
+        """``unit``'s gradients are all accumulated in this backward (its
+        post-backward): reduce-scatter them when their turn comes (see the
+        Note), or at once outside the order."""
         if not unit.requires_gradient_sync:
             return  # flat.grad stays and accumulates; the next synced backward reduces it
         if unit in self._launched or unit not in self._in_orders:
@@ -270,7 +292,7 @@ class BackwardSchedule:
     def _launch(self, unit: Unit) -> None:
         self._drain()  # also folds an earlier part of this unit's gradient first
         self._launched.add(unit)
-        self._in_flight = unit.launch_reduce_scatters()
+        self._in_flight = unit.launch_reduce_scatters(self.streams)
         self._maybe_wait()
 
     def _maybe_wait(self) -> None:

@@ -40,9 +40,7 @@ import torch.nn as nn
 
 from . import _collectives, _compat
 from ._common import TrainingState, rank as _rank
-from ._registry import SHARDED, units_below
-
-_SLOTS = "_fsdp_ckpt_slots"  # module.__dict__: {param name: (unit, group, entry)}
+from ._registry import SHARDED, state_dict_slots, units_below
 
 
 # --------------------------------------------------------------------- boxes
@@ -296,16 +294,16 @@ def register_hooks(unit) -> None:
     for g in unit.groups:
         for e in g.entries:
             for m, name in e.slots:
-                slots = m.__dict__.get(_SLOTS)
+                slots = state_dict_slots(m)
                 if slots is None:
-                    slots = m.__dict__[_SLOTS] = {}
+                    slots = state_dict_slots(m, create=True)
                     m.register_state_dict_post_hook(_state_dict_hook)
                     m.register_load_state_dict_pre_hook(_load_pre_hook)
                 slots[name] = (unit, g, e)
 
 
 def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
-    for name, (_, g, e) in module.__dict__[_SLOTS].items():
+    for name, (_, g, e) in state_dict_slots(module).items():
         key = prefix + name
         if key not in sd:
             continue
@@ -318,7 +316,7 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
 
 def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                    error_msgs) -> None:
-    for name, (unit, g, e) in module.__dict__[_SLOTS].items():
+    for name, (unit, g, e) in state_dict_slots(module).items():
         key = prefix + name
         if key not in sd:
             continue
@@ -500,7 +498,7 @@ def _param_fqns(model: nn.Module) -> dict:
     as in ``model.named_parameters()`` (and torch's DCP state_dict helpers)."""
     out: dict = {}
     for mname, m in model.named_modules():
-        slots = m.__dict__.get(_SLOTS, {})
+        slots = state_dict_slots(m) or {}
         for pname, p in m._parameters.items():
             if p is None:
                 continue

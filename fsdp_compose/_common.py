@@ -31,12 +31,46 @@ class ShardedState(enum.Enum):
     PARTIAL = enum.auto()     # reshard_after_forward=N: 1/N of the flat kept until backward
 
 
+class Gather(enum.Enum):
+    """Why a unit's all-gather is asked for: ``RootContext.gather`` decides
+    from it whether and how (alone, or in a bucket) the unit is gathered."""
+
+    FORWARD = enum.auto()    # its pre-forward (then the forward prefetch)
+    SKIPPED = enum.auto()    # the forward order's +u, which this rank skipped
+    PREFETCH = enum.auto()   # a unit ahead in the forward order (if still sharded)
+    BACKWARD = enum.auto()   # its pre-backward (the gather order up to it first)
+    RECOMPUTE = enum.auto()  # its forward recomputed in backward (ditto)
+    IN_ORDER = enum.auto()   # the gather order reaches it
+    AGAIN = enum.auto()      # a pre-backward after its reduction (a second use)
+    USER = enum.auto()       # FSDPModule.unshard
+
+
+class Reshard(enum.Enum):
+    """The events after which a unit may free its unsharded parameters:
+    ``RootContext.reshard`` decides (the one policy table)."""
+
+    AFTER_FORWARD = enum.auto()   # its post-forward, or the order's -u (skipped here)
+    GRADS_COMPUTED = enum.auto()  # one group's parameter gradients exist (gloo)
+    AFTER_BACKWARD = enum.auto()  # every trainable group's gradient accumulated
+    BACKWARD_END = enum.auto()    # the root's final callback (or an aborted step)
+    NEW_STEP = enum.auto()        # a training root forward starts a step
+
+
+class Kept(enum.Enum):
+    """Why a unit is left unsharded between steps (``Unit.keep``)."""
+
+    NO = enum.auto()
+    USER = enum.auto()      # FSDPModule.unshard, until reshard() or a backward's end
+    BACKWARD = enum.auto()  # set_reshard_after_backward(False): until the next step,
+                            # or sooner if an optimizer step changed a shard
+
+
 @dataclass
 class RootSettings:
-    """The settings of the whole model (FSDPModule's root-only setters), read
-    on the root only (``RootContext.settings``). Every unit has one, since
-    which unit becomes the root is known only at lazy init; a setter called
-    on a unit that does not become it is an error there."""
+    """The settings of the whole model (FSDPModule's root-only setters): one
+    object, ``RootContext.settings``. A setter called before lazy init (when
+    the root is not known yet) makes one on its unit (``Unit.root_settings``,
+    else None); lazy init adopts the root's and refuses any other unit's."""
 
     # how many units to all-gather ahead, in forward (last step's order) and
     # backward (gather order): in-flight unsharded memory is the current
@@ -47,8 +81,7 @@ class RootSettings:
     gather_bucket_bytes: int = 1 << 20   # see set_all_gather_bucket_bytes
     is_last_backward: bool = True        # False leaves the last reduce in flight
     forward_order_dynamic: bool = False  # see set_forward_order_dynamic
-    # names of the setters called on this unit: an error at lazy init unless
-    # it became the root (see FSDPModule._root_setting)
+    # names of the setters called (see FSDPModule._root_setting)
     called: set[str] = field(default_factory=set)
 
 

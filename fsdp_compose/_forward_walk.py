@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _compat
-from ._common import label, trace, unit_error
+from ._common import Gather, Reshard, label, trace, unit_error
 from ._flat_group import gather_bucket
 from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
 
@@ -137,16 +137,24 @@ class ForwardWalk:
         self._first_pre.setdefault(unit, self._clock)
 
     def forward_end(self, unit: Unit, flag: int) -> None:
-        """``unit``'s forward ends (before its post-forward's reshard and
-        bookkeeping); ``flag``: what follows it (_forward_order.GRAD ...)."""
+        """``unit``'s forward ends (its post-forward, not a recomputation);
+        ``flag``: what follows it (_forward_order.GRAD ...). The order's -u
+        (units skipped here first), the step's record for the backward
+        orders, then the AFTER_FORWARD reshard decision."""
         walk = self._walk
-        if walk is None:
-            return
-        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
-        walk.running.discard(unit)
-        self._clock = walk.base + j
+        if walk is not None:
+            j = (self._agree(walk, False, unit, flag) if walk.agree
+                 else self._follow(walk, False, unit))
+            walk.running.discard(unit)
+            self._clock = walk.base + j
+            if unit is self.root:
+                self._end_walk(walk)
+        trace("post_forward", unit.fqn, unit.state.name)
+        if flag != NO_BACKWARD:  # (ISLAND: see [Note: collective order])
+            self.expect_backward(unit, island=flag != GRAD)
+        self.reshard(unit, Reshard.AFTER_FORWARD, grad_follows=flag == GRAD)
         if unit is self.root:
-            self._end_walk(walk)
+            self.in_training_forward = False
 
     # ---------------------------------------------------- the forward order
     def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
@@ -204,10 +212,16 @@ class ForwardWalk:
         if pre:
             self._record_pre(unit)
             walk.held[unit] = k
-            unit.forward_skipped()
+            # its all-gathers and forward prefetch, as its pre-forward would
+            trace("skipped", unit.fqn, "all-gather")
+            unit.sync_requires_grad()  # (whether it reduces must match where it runs)
+            with label("skipped", unit.fqn):
+                self.gather(unit, Gather.SKIPPED)
             return
         walk.held.pop(unit, None)
-        unit.forward_skipped_end(grad_follows=flag == GRAD and self.in_training_forward)
+        trace("skipped", unit.fqn, "end")  # ... and the reshard of its post-forward
+        self.reshard(unit, Reshard.AFTER_FORWARD,
+                     grad_follows=flag == GRAD and self.in_training_forward)
         if self.in_training_forward and flag != NO_BACKWARD:
             self._enter_orders(unit)  # no gradient here: zero-filled, see [Note:
             # collective order] in _backward_schedule.py
@@ -301,11 +315,9 @@ class ForwardWalk:
         if targets is None:
             targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
-            if not v.is_unsharded:
-                trace("prefetch", v.fqn, "forward")
-                v.unshard()
+            self.gather(v, Gather.PREFETCH)
 
-    def gather_in_bucket(self, unit: Unit) -> bool:
+    def _gather_bucket(self, unit: Unit) -> bool:
         """All-gather ``unit`` and the units after it in the current order (the
         last step's forward order in a training forward, the gather order in
         backward) as one bucket, if all-gather buckets are on and at least two

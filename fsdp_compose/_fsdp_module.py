@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import _divergence
-from ._common import RootSettings, TrainingState, root_setting_fix, unit_error
+from ._common import Gather, Kept, RootSettings, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
 from ._unit import Unit
@@ -47,8 +47,9 @@ class FSDPModule:
                              f"the root unit '{unit.ctx.root.fqn or '<root>'}' only; this "
                              "unit is not the root.", root_setting_fix(where),
                              exc=ValueError)
-        unit.root_settings.called.add(where)
-        return unit.root_settings
+        settings = unit.settings_for_root()  # (the root's: RootContext.settings)
+        settings.called.add(where)
+        return settings
 
     def _apply(self, fn, recurse: bool = True):
         """``to`` / ``cuda`` / ``cpu`` / ``half`` / ``float`` / ``double`` /
@@ -86,8 +87,8 @@ class FSDPModule:
         backward).
         """
         unit = self._unit()
-        unit.unshard()
-        unit.pinned = True
+        unit._ensure_ctx().gather(unit, Gather.USER)
+        unit.keep(Kept.USER)
         handle = UnshardHandle(unit)
         if async_op:
             return handle
@@ -97,14 +98,13 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the unsharded parameters; the modules see the sharded Parameters again."""
         unit = self._unit()
-        unit.pinned = False
+        unit.keep(Kept.NO)
         unit.reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters after forward (True) or keep them for backward."""
         for u in self._units(recurse):
-            u.user_reshard_after_forward = bool(reshard_after_forward)
-            u.reshard_after_forward = bool(reshard_after_forward)
+            u.set_reshard_after_forward(bool(reshard_after_forward))
         _divergence.settings_changed()
 
 
@@ -301,8 +301,7 @@ def _before_apply(units: list[Unit]) -> None:
         ctx.finish_in_flight()  # a reduce-scatter left in flight (set_is_last_backward(False))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     for u in units:
-        u.pinned = False
-        u.kept_after_backward = False
+        u.keep(Kept.NO)
         u.reshard()
         if swap:
             for g in u.groups:  # (swap_tensors refuses tensors with weak references)
@@ -324,7 +323,7 @@ def _after_apply(units: list[Unit]) -> None:
         _register_sharded(units)
     for ctx in {id(u.ctx): u.ctx for u in rebuilt if u.ctx is not None}.values():
         for v in ctx.units:  # lazy init again at the next forward
-            v.ctx = None
+            v.set_root(None)
             if not v.hook_handles:  # a passive unit's, removed by lazy init
                 for m in v.modules:
                     add_forward_hooks(v, m)

@@ -204,6 +204,10 @@ class GradientPath:
         self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
         self._partial: tuple | None = None  # HSDP: (reduce-scattered, flags), not all-reduced
 
+    def set_grads_computed_hook(self, hook) -> None:
+        """The unit's ``_grads_computed`` (gloo): [Note: gloo backward]."""
+        self.on_grads_computed = hook
+
     def _move_grad_state(self, flat_grad: torch.Tensor | None) -> None:
         """After ``adopt_params`` re-made the storage: what a backward left
         (``flat_grad``: the old flat's gradient) follows the new device and
@@ -221,7 +225,7 @@ class GradientPath:
     def _before_split_backward(self, grad_outputs) -> None:
         """The split node's pre-hook: note which views got a gradient (None:
         none, see [Note: parameters without a gradient]), then tell the unit
-        (see [Note: gloo backward] in _unit.py)."""
+        (see [Note: gloo backward] in _backward_schedule.py)."""
         used = self._used
         for k, i in enumerate(self._view_at):
             if grad_outputs[i] is not None:

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._checkpoint import _SLOTS, _units
-from ._registry import SHARDED
+from ._checkpoint import _units
+from ._registry import SHARDED, state_dict_slots
 from ._common import default_device
 from ._common import rank as _rank
 
@@ -100,7 +100,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     done: set[int] = set()           # entries initialised
     uninit: list[str] = []
     for mname, m in _post_order(model):
-        slots = m.__dict__.get(_SLOTS, {})
+        slots = state_dict_slots(m) or {}
         pieces = []                  # (name, entry or None, temp, scratch)
         temps: dict[int, torch.Tensor] = {}
         for name, p in list(m._parameters.items()):

@@ -8,6 +8,9 @@ optimizer check, clip and ``param_info``.
 
 - a sharded module's unit: ``module.__dict__["_fsdp_unit"]`` (``unit_of``);
 - every sharded Parameter we created -> (group, entry) (``SHARDED``);
+- a module holding sharded Parameters: its state-dict slots,
+  ``{param name: (unit, group, entry)}`` (``state_dict_slots``, written by
+  the checkpoint's hook registration);
 - every original Parameter we replaced -> the unit that owns it
   (``REPLACED``, to catch ties across units, and an optimizer built before
   fully_shard), and -> a weak reference to its entry (``ORIGINAL_ENTRY``,
@@ -26,6 +29,18 @@ if TYPE_CHECKING:
     from ._unit import Unit
 
 _UNIT_ATTR = "_fsdp_unit"
+
+
+_SLOTS_ATTR = "_fsdp_ckpt_slots"
+
+
+def state_dict_slots(module: nn.Module, create: bool = False) -> dict | None:
+    """``{param name: (unit, group, entry)}`` of the sharded Parameters
+    ``module`` holds directly (None if none, unless ``create``)."""
+    slots = module.__dict__.get(_SLOTS_ATTR)
+    if slots is None and create:
+        slots = module.__dict__[_SLOTS_ATTR] = {}
+    return slots
 
 
 def unit_of(module: nn.Module) -> "Unit | None":

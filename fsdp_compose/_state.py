@@ -8,8 +8,11 @@ bookkeeping (reduce-scatter order, the final callback).
 
 ``RootContext`` here is the step lifecycle (a training root forward starts a
 step, the first pre-backward queues the final callback, which ends it; a step
-an exception left half-done is aborted at the next root forward) and sets
-every attribute a step uses. Its concerns are mixins, each in its own file:
+an exception left half-done is aborted at the next root forward; ``reset``
+ends both), the two decisions every unit event leads to (``gather``: whether
+and how a unit is all-gathered; ``reshard``: whether it frees its parameters
+after an event; see [Note: who decides] in _unit.py), and it sets every
+attribute a step uses. Its concerns are mixins, each in its own file:
 
 - ``ForwardWalk`` (_forward_walk.py): the forward order, followed or agreed
   on ([Note: forward order]), forward prefetch and gather buckets,
@@ -28,7 +31,8 @@ import torch.nn as nn
 
 from . import _compat, _divergence
 from ._backward_schedule import BackwardSchedule
-from ._common import META_FIX, TrainingState, label, root_setting_fix, trace, unit_error
+from ._common import (META_FIX, Gather, Kept, Reshard, ShardedState,
+                      TrainingState, label, root_setting_fix, trace, unit_error)
 from ._forward_order import ForwardOrder
 from ._forward_walk import ForwardWalk, LastStepOrder, _Learned, _Walk
 from ._registry import units_below
@@ -38,11 +42,14 @@ from ._unit import Unit
 
 
 class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
-    def __init__(self, root: Unit, units: list[Unit], device: torch.device):
+    def __init__(self, root: Unit, units: list[Unit], device: torch.device,
+                 communicates: bool = True):
         self.root = root
         self.units = units
         self.last_step_order = LastStepOrder()
-        self.settings = root.root_settings  # the model's settings (FSDPModule's root setters)
+        # the model's settings (FSDPModule's root setters; see RootSettings)
+        # (on the root unit, so a lazy init again after a cast keeps them)
+        self.settings = root.settings_for_root()
         self.streams = StreamManager(device)
         # per step (from a root forward after a backward, to the next one)
         self._new_step = True
@@ -80,9 +87,9 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         # alike (see that Note)
         self._pending: dict[Unit, None] = {}
         self.in_training_forward = False        # inside a grad-enabled forward of the root
-        self.communicates = True                # some group has world > 1 (set at lazy init)
+        self.communicates = communicates        # some group has world > 1
         # the lazy-init and step checks of [Note: divergence] in _divergence.py
-        # (None: nothing communicates, set at lazy init)
+        # (None: nothing communicates; see start_checks)
         self.checks: _divergence.StepChecks | None = None
         self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
         # the forward orders (see [Note: forward order] in _forward_walk.py), per
@@ -92,6 +99,10 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         self._unit_index = {u: i for i, u in enumerate(units)}
         self._order_pgs: tuple | None = None    # the groups the agreement all-reduces in
 
+    def start_checks(self, checks: "_divergence.StepChecks") -> None:
+        """Lazy init, where some group communicates: [Note: divergence]."""
+        self.checks = checks
+
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self, entry: str = "forward") -> None:
         if self.checks is not None:
@@ -99,7 +110,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
             if self.checks is not None:
                 self._left_half_done()  # raises unless every rank left it alike
-            self._abort_step()  # a previous forward or backward raised before finishing
+            self.reset(abort=True)  # a previous forward or backward raised before finishing
         if self.checks is not None:
             self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
                                else _divergence.EVAL_FORWARD, *self._schedule_settings())
@@ -113,14 +124,8 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             self._regions.clear()
             self._in_orders.clear()
             for u in self.units:
-                u.uses = 0
-                # left unsharded by a forward with no backward: may be stale
-                # after optimizer.step(), unless the user pinned it. Kept by
-                # set_reshard_after_backward(False): only if no shard changed.
-                if u.is_unsharded and not u.pinned:
-                    if not u.kept_after_backward or u.is_stale():
-                        u.reshard()
-                u.kept_after_backward = False
+                self.reshard(u, Reshard.NEW_STEP)
+                u.start_step()
         self._walk = None
         if self.communicates:
             learned = self._orders.setdefault((entry, self.in_training_forward), _Learned())
@@ -133,8 +138,89 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             self._walk = _Walk(ForwardOrder() if agree else follow.order, agree, self._clock,
                                learned)
 
+    # ------------------------------------------------------- the two decisions
+    def gather(self, unit: Unit, why: Gather) -> None:
+        """Whether and how ``unit`` is all-gathered now, asked by a unit's event
+        (``why``); the one place that decides it (issuing only: the unit waits).
+
+        - FORWARD, SKIPPED: gathered (the forward order said so), then the
+          forward prefetch; PREFETCH: only if still sharded;
+        - BACKWARD, RECOMPUTE: first every unit before it in the gather order
+          (see [Note: collective order] in _backward_schedule.py), then it,
+          except in BACKWARD a unit with ``unshard_in_backward`` False;
+          IN_ORDER, AGAIN: it, with the same exception;
+        - USER: it.
+        Gathered with the units after it as one bucket where gather buckets
+        are on (``_gather_bucket``), else alone (``Unit.unshard``)."""
+        if why is Gather.BACKWARD or why is Gather.RECOMPUTE:
+            if unit in self._in_orders:
+                # On gloo a unit resharded after forward prefetches once its
+                # gradients are computed, see [Note: gloo backward] in
+                # _backward_schedule.py; a unit that kept its parameters (the
+                # root), or whose gradients have no hook (frozen), prefetches now.
+                late = unit.grads_hooked and unit.reshard_after_forward
+                self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
+        if not unit.unshard_in_backward and why in _NOT_IN_BACKWARD:
+            return
+        if why is Gather.PREFETCH:
+            if unit.is_unsharded:
+                return
+            trace("prefetch", unit.fqn, "forward")
+        if not self._gather_bucket(unit):
+            unit.unshard(self.streams)
+        if why is Gather.FORWARD or why is Gather.SKIPPED:
+            self.prefetch_forward(unit)
+
+    def reshard(self, unit: Unit, event: Reshard, grad_follows: bool = False,
+                group=None) -> bool:
+        """Whether ``unit`` frees its unsharded parameters after ``event``
+        (and frees them): the one policy table. Returns whether it did, or
+        (BACKWARD_END) whether it is left sharded.
+
+        - AFTER_FORWARD (``grad_follows``: a backward follows): if
+          reshard_after_forward, else kept for backward; an eval forward (no
+          backward follows, and not inside a training forward of the root,
+          where a no-grad island is e.g. a reentrant checkpoint whose
+          recomputation wants the parameters) frees them whatever the
+          setting: the optimizer never steps under a stale copy. With a
+          backward to follow, reshard_after_forward=N keeps 1/N (PARTIAL);
+        - GRADS_COMPUTED (``group``, gloo): that group, once its parameters'
+          gradients exist, for a unit used once outside a nested backward
+          (see [Note: gloo backward] in _backward_schedule.py);
+        - AFTER_BACKWARD, BACKWARD_END: if reshard_after_backward;
+        - NEW_STEP: a unit left unsharded by a forward with no backward (may
+          be stale after optimizer.step()), unless the user unsharded it
+          (Kept.USER); kept by set_reshard_after_backward(False) only if no
+          shard changed since."""
+        if event is Reshard.AFTER_FORWARD:
+            in_training_step = self.in_training_forward and unit is not self.root
+            if not (unit.reshard_after_forward or not (grad_follows or in_training_step)):
+                return False
+            with _compat.functorch_disabled():
+                unit.reshard(to_post_forward=grad_follows)
+            return True
+        if event is Reshard.GRADS_COMPUTED:
+            if not (unit.reshard_after_backward and unit.uses == 1
+                    and not self.in_nested_backward() and group.state is not ShardedState.SHARDED):
+                return False
+            trace("reshard", unit.fqn, "grads computed")
+            group.reshard()
+            return True
+        if event is Reshard.NEW_STEP:
+            if not unit.is_unsharded or unit.kept is Kept.USER \
+                    or (unit.kept is Kept.BACKWARD and not unit.is_stale()):
+                return False
+        elif not unit.reshard_after_backward:  # AFTER_BACKWARD, BACKWARD_END
+            return False
+        unit.reshard()
+        return True
+
     # ----------------------------------------------------------------- backward
-    def on_backward_hook(self) -> None:
+    def on_backward_hook(self, grad_arrived: bool = False) -> None:
+        """A unit's pre-backward (or, ``grad_arrived``, a flat gradient
+        accumulated): the first of a backward queues the final callback."""
+        if grad_arrived:
+            self.accumulated = True
         if not self._callback_queued:
             if self.checks is not None:
                 _divergence.raise_if_stopped(self.root.fqn)
@@ -170,12 +256,27 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
             # flight, overlapping the next microbatch's forward; the next
             # backward's first launch (or a last backward) folds it into p.grad
-            for u in self.units:
-                u.finish_backward()
-            self._reset_backward()
-            self._new_step = True
+            self.reset()
 
-    def _reset_backward(self) -> None:
+    def reset(self, abort: bool = False) -> None:
+        """End the backward, and the step: every unit's BACKWARD_END reshard
+        decision and ``finish_backward``, then every per-backward field; the one
+        place they are cleared. ``abort``: a step an exception left half-done
+        (see root_pre_forward): first drop what it had in flight and every
+        gradient it accumulated (its reduce-scatters are abandoned, never
+        dropped while a side stream still writes them)."""
+        if abort:
+            for launch in self._in_flight:
+                self.streams.abandon(launch.pending)
+                launch.used.release()  # (its used-flags' all-reduce likewise)
+            self._in_flight = []
+            self.streams.abort()
+            self._pending.clear()  # (drop_grad below forgets what they accumulated)
+        for u in self.units:
+            if abort:
+                for g in u.groups:
+                    g.drop_grad()
+            u.finish_backward(resharded=self.reshard(u, Reshard.BACKWARD_END))
         self._callback_queued = False
         self.accumulated = False
         self._order = None
@@ -187,33 +288,18 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         self._ready.clear()
         self._launched.clear()
         self._bucket, self._bucket_bytes, self._following = [], 0, None
-
-    def _abort_step(self) -> None:
-        for launch in self._in_flight:  # never drop what a side stream still writes
-            self.streams.abandon(launch.pending)
-            launch.used.release()  # (its used-flags' all-reduce likewise)
-        self._in_flight = []
-        self.streams.abort()
-        self._pending.clear()  # (drop_grad below forgets what they accumulated)
-        for u in self.units:
-            for g in u.groups:
-                g.drop_grad()
-            u.finish_backward()
-        self._reset_backward()
         self._new_step = True
+
+
+# in backward, a unit with set_unshard_in_backward(False) is not gathered for these
+_NOT_IN_BACKWARD = (Gather.BACKWARD, Gather.IN_ORDER, Gather.AGAIN)
 
 
 def assign_fqns(module: nn.Module) -> None:
     """Name every unit and parameter below ``module`` relative to it."""
     prefix = {id(m): name for name, m in module.named_modules()}
     for fqn, u in units_below(module):
-        u.fqn = fqn
-        for g in u.groups:
-            g.unit_fqn = u.fqn
-            for e in g.entries:
-                m, attr = e.slots[0]
-                if id(m) in prefix:
-                    e.fqn = f"{prefix[id(m)]}.{attr}" if prefix[id(m)] else attr
+        u.set_fqn(fqn, prefix)
 
 
 def lazy_init_root(unit: Unit) -> None:
@@ -229,22 +315,16 @@ def lazy_init_root(unit: Unit) -> None:
     # a root without parameters of its own (a Sequential of sharded blocks)
     # communicates where its mesh lives, like the units it holds
     device = unit.groups[0].device if unit.groups else unit.device
-    ctx = RootContext(unit, units, device)
-    ctx.communicates = any(g.world > 1 for u in units for g in u.groups)
-    for u in units:
-        u.ctx = ctx
-        raf = u.user_reshard_after_forward
-        u.reshard_after_forward = (u is not unit) if raf is None else bool(raf)
-        if u.groups and all(g.aliased for g in u.groups):
-            # world size 1, no cast/offload: the "unsharded" flat IS the shard,
-            # resharding frees nothing; skip the swap-out/swap-in per step
-            u.reshard_after_forward = False
     pgs = _check_groups(units)
+    ctx = RootContext(unit, units, device, communicates=any(g.world > 1 for u in units
+                                                            for g in u.groups))
+    for u in units:
+        u.set_root(ctx)
     if pgs:  # see [Note: divergence] in _divergence.py
         for m in unit.modules:  # (removed with the unit's other hooks)
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
-        ctx.checks = _divergence.StepChecks(unit.fqn, pgs, units)
+        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units))
         ctx.checks.lazy_init(_layout_lines(units))
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
@@ -299,7 +379,7 @@ def _check_root_settings(root: Unit, units: list[Unit]) -> None:
     """A root-only setting (FSDPModule._root_setting) called on a unit that did
     not become the root would be silently ignored: say so instead."""
     for u in units:
-        if u is not root and u.root_settings.called:
+        if u is not root and u.root_settings is not None and u.root_settings.called:
             where = sorted(u.root_settings.called)[0]
             raise unit_error(u.fqn, f"{where}() was called on this unit, but it is not the "
                              f"root ('{root.fqn or '<root>'}' is): the setting would be ignored.",

@@ -31,7 +31,7 @@ other and compute):
   once the compute stream is ordered after the side stream's last use: no
   ``record_stream`` anywhere.
 - Nothing blocks the CPU, so ``waits_block_cpu`` is False and the backward
-  schedule is FSDP2's (see [Note: gloo backward] in _unit.py for what gloo
+  schedule is FSDP2's (see [Note: gloo backward] in _backward_schedule.py for what gloo
   does instead).
 - The streams are created once per root (high priority, so communication
   kernels are scheduled ahead of compute kernels queued at the same time);

@@ -1,5 +1,15 @@
 """One fully_shard unit: its modules, flat groups, hooks and training state.
 
+[Note: who decides] A unit *reports* its hooks' events to the root
+(``RootContext``: ``record_forward``, ``forward_end``, ``on_backward_hook``,
+``grads_computed``, ``reduce``), which *decides* what is gathered, freed and
+reduced: every all-gather is asked of ``RootContext.gather(unit, why)`` and
+every free after an event of ``RootContext.reshard(unit, event)``. The unit's
+own acts (``unshard``, ``wait_for_unshard``, ``reshard``,
+``launch_reduce_scatters``) only pass the root's decision to its flat groups,
+which act; they never call back into the root. The unit writes its own fields
+only (the root writes none of them, and it none of the root's).
+
 A step, as the unit sees it:
 
     pre_forward   unshard (all-gather), install full-shape views     IDLE -> FORWARD
@@ -26,8 +36,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat, _divergence
-from ._common import (RootSettings, ShardedState, TrainingState, label, trace, unit_error,
-                      weak_hook)
+from ._common import (Gather, Kept, Reshard, RootSettings, ShardedState, TrainingState,
+                      label, trace, unit_error, weak_hook)
 from ._flat_group import FlatGroup
 from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
@@ -51,15 +61,15 @@ class Unit:
         # requires_grad_() on the Parameters (see _sync_requires_grad); see hook_groups
         self.trainable: list[FlatGroup] = []
         self.fqn = label
-        self.user_reshard_after_forward = reshard_after_forward
-        self.reshard_after_forward = bool(reshard_after_forward)  # resolved at lazy init
+        self._reshard_after_forward: bool | None = None
+        self.set_reshard_after_forward(reshard_after_forward)
         # False: stay gathered after backward (the next forward all-gathers
         # nothing, unless an optimizer step changed a shard meanwhile)
         self.reshard_after_backward = True
         # False (set_unshard_in_backward): backward does not need the parameters
         # (e.g. an embedding): no all-gather for this unit in backward
         self.unshard_in_backward = True
-        self.kept_after_backward = False  # left gathered by the last backward (see above)
+        self.kept = Kept.NO  # left unsharded between steps, and why (see keep)
         mp = mp_policy
         self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
         self._cast_outputs = mp.output_dtype if mp is not None else None
@@ -68,8 +78,9 @@ class Unit:
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
         self._posted = False      # post_forward ran for the call ending now (see forward_ended)
-        self.pinned = False       # unsharded by the user (FSDPModule.unshard)
-        self.root_settings = RootSettings()  # read on the root only (RootContext.settings)
+        # the model's settings, where a root setter was called on this unit before
+        # lazy init (see RootSettings): None on every other unit
+        self.root_settings: RootSettings | None = None
         self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.backward_prefetch: list[Unit] | None = None
@@ -114,6 +125,62 @@ class Unit:
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
 
+    def set_reshard_after_forward(self, value: bool | None) -> None:
+        """The user's setting (fully_shard's argument, set_reshard_after_forward);
+        ``reshard_after_forward`` resolves it."""
+        self._reshard_after_forward = value
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Free the parameters after forward: see resolve_reshard_after_forward."""
+        return self.resolve_reshard_after_forward(self.is_root)
+
+    def resolve_reshard_after_forward(self, is_root: bool) -> bool:
+        """The setting, resolved: None (the default) is True except for the
+        root. Never where every group's flat is its shard (world size 1, no
+        cast or offload): resharding would free nothing, and the swap out and
+        in per step is skipped."""
+        if self.groups and all(g.aliased for g in self.groups):
+            return False
+        if self._reshard_after_forward is None:
+            return not is_root
+        return bool(self._reshard_after_forward)
+
+    def set_fqn(self, fqn: str, prefix: dict[int, str]) -> None:
+        """Named by the root (lazy init): its FQN, and each parameter's from
+        ``prefix`` (id(module) -> its FQN below the root)."""
+        self.fqn = fqn
+        for g in self.groups:
+            g.unit_fqn = fqn
+            for e in g.entries:
+                m, attr = e.slots[0]
+                if id(m) in prefix:
+                    e.fqn = f"{prefix[id(m)]}.{attr}" if prefix[id(m)] else attr
+
+    def set_root(self, ctx: "RootContext | None") -> None:
+        """Made part of a root's units by lazy init; None: lazy init again at
+        the next forward (a cast or move re-made the groups)."""
+        self.ctx = ctx
+
+    def settings_for_root(self) -> RootSettings:
+        """The model's settings, made on first use: by the root's RootContext,
+        or by a root setter (FSDPModule._root_setting) called on this unit."""
+        if self.root_settings is None:
+            self.root_settings = RootSettings()
+        return self.root_settings
+
+    def keep(self, why: Kept) -> None:
+        """Whether (and why) the unit stays unsharded between steps; read by
+        ``RootContext.reshard`` at a new step."""
+        self.kept = why
+
+    def start_step(self) -> None:
+        """A training root forward starts a step (after the root's NEW_STEP
+        reshard decision)."""
+        self.uses = 0
+        if self.kept is Kept.BACKWARD:
+            self.keep(Kept.NO)
+
     def _assert_state(self, *states: TrainingState, where: str) -> None:
         if self.state not in states:
             raise unit_error(self.fqn, f"{where} expected state {[s.name for s in states]}, "
@@ -125,13 +192,9 @@ class Unit:
             self._lazy_init_root(self)
         return self.ctx
 
-    def unshard(self) -> None:
-        """Issue the all-gathers of every group (no wait); with all-gather
-        buckets on, also of the units that follow in the current order."""
-        ctx = self._ensure_ctx()
-        if ctx.gather_in_bucket(self):
-            return
-        streams = ctx.streams
+    def unshard(self, streams) -> None:
+        """Issue the all-gathers of every group (no wait): the act of
+        ``RootContext.gather``, which decided it (and buckets)."""
         issued = False
         for g in self.groups:
             issued |= g.world > 1 and (g.state is ShardedState.SHARDED
@@ -177,7 +240,7 @@ class Unit:
             if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
                 self._uses_seen += 1
             with _compat.functorch_disabled():
-                ctx.unshard_for_backward(self)
+                ctx.gather(self, Gather.RECOMPUTE)
                 self._refresh_views()
                 self.wait_for_unshard()
             return self._cast(self._cast_inputs, (args, kwargs))
@@ -188,17 +251,16 @@ class Unit:
             with label("pre_forward", self.fqn), _compat.functorch_disabled():
                 gather = ctx.record_forward(self)  # (first: units skipped here, _forward_walk.py)
                 trace("pre_forward", self.fqn, self.state.name)
-                self._sync_requires_grad()
+                self.sync_requires_grad()
                 self.state = TrainingState.FORWARD
                 if gather:
-                    self.unshard()
-                    ctx.prefetch_forward(self)
+                    ctx.gather(self, Gather.FORWARD)
                 self._refresh_views()
                 self.wait_for_unshard()
         self._forward_depth += 1
         return self._cast(self._cast_inputs, (args, kwargs))
 
-    def _sync_requires_grad(self) -> None:
+    def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_()`` called on the sharded Parameters since the
         last forward (see FlatGroup.sync_requires_grad)."""
         changed = False
@@ -238,52 +300,14 @@ class Unit:
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
                     if g.on_grads_computed is None:  # (called by the split node's pre-hook)
-                        g.on_grads_computed = weak_hook(self, "_grads_computed", g)
+                        g.set_grads_computed_hook(weak_hook(self, "_grads_computed", g))
                     self.grads_hooked = True
 
     @_compat.outside_functorch
     def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
-        """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
-        gradients of its views into the flat gradient: all of them are computed,
-        and that cat, with the views' gradients still alive, is the peak of a
-        unit's backward. Where waiting blocks the CPU (gloo), first:
-
-        1. free the group's unsharded flat, instead of at the post-backward:
-           every backward node that reads its views has run (each produces a
-           gradient for them) and the cat reads none. Only for a unit used once
-           this step, outside a nested (reentrant) backward: with several uses
-           each use's views have their own split node, and an earlier use still
-           reads the parameters. Per group: another group's views may still be
-           read;
-        2. only then prefetch the next unit(s) of the gather order (see
-           RootContext.unshard_for_backward: such a unit did not prefetch at its
-           pre-backward), so at most one unsharded unit is alive with the
-           gradients and the reduce-scatter in flight;
-        3. finish the reduce-scatter in flight (the previous unit's: its
-           gradient shard is made, its flat gradient freed), instead of at this
-           unit's post-backward right after the cat.
-
-        The order is for the allocator: each buffer is freed right before the
-        one of its size that replaces it is made (this unit's flat, then the
-        next unit's; the previous unit's flat gradient, once its shard is
-        copied out, then this unit's cat), so the same block is handed back.
-        Waiting first freed two same-size buffers before either replacement
-        was made, and glibc's heap grew instead: peak RSS rose by about a
-        model's worth of flat gradients every step on a deep stack of 8 MB
-        units (below glibc's mmap threshold); see docs/design.md, "Backward
-        on gloo".
-
-        On NCCL a wait only orders streams (waiting here would stall compute)
-        and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
-        gloo").
-        """
-        ctx = self.ctx
-        if self.reshard_after_backward and self.uses == 1 and not ctx.in_nested_backward() \
-                and group.state is not ShardedState.SHARDED:
-            trace("reshard", self.fqn, "grads computed")
-            group.reshard()
-        ctx.prefetch_backward_late(self)
-        ctx.finish_in_flight()
+        """``group``'s split node is about to assemble its flat gradient (gloo):
+        see [Note: gloo backward] in _backward_schedule.py."""
+        self.ctx.grads_computed(self, group)
 
     def post_forward(self, module: nn.Module, args, output):
         if self._cast_outputs is not None:  # (recomputation too: same saved tensors)
@@ -311,42 +335,8 @@ class Unit:
         island = not torch.is_grad_enabled() and self.ctx.in_training_forward
         with _compat.functorch_disabled():  # (first: units skipped here, _forward_walk.py)
             self.ctx.forward_end(self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
-        trace("post_forward", self.fqn, self.state.name)
-        if grad_follows:
-            self.ctx.expect_backward(self)
-        elif island:
-            self.ctx.expect_backward(self, island=True)  # see [Note: collective order]
-        self._reshard_after_forward(grad_follows)
-        if self.is_root:
-            self.ctx.in_training_forward = False
         self.state = TrainingState.IDLE
         return output
-
-    def _reshard_after_forward(self, grad_follows: bool) -> None:
-        # An eval forward (no backward follows, and not inside a training
-        # forward of the root, where a no-grad island is e.g. a reentrant
-        # checkpoint whose recomputation wants the parameters) frees them
-        # whatever the setting: the optimizer never steps under a stale copy.
-        in_training_step = self.ctx.in_training_forward and not self.is_root
-        if self.reshard_after_forward or not (grad_follows or in_training_step):
-            with _compat.functorch_disabled():
-                self.reshard(to_post_forward=grad_follows)  # (reshard_after_forward=N)
-
-    def forward_skipped(self) -> None:
-        """The forward order reaches this unit's forward, which runs on other
-        ranks but not (or not yet) here: take part in its all-gathers, and its
-        forward prefetch, as its pre-forward would (see [Note: forward order]
-        in _forward_walk.py)."""
-        trace("skipped", self.fqn, "all-gather")
-        self._sync_requires_grad()  # (whether it reduces must match the ranks it runs on)
-        with label("skipped", self.fqn):
-            self.unshard()
-            self.ctx.prefetch_forward(self)
-
-    def forward_skipped_end(self, grad_follows: bool) -> None:
-        """... and the order reaches its end: reshard as its post-forward would."""
-        trace("skipped", self.fqn, "end")
-        self._reshard_after_forward(grad_follows)
 
     def forward_ended(self) -> None:
         """After each forward of the root's modules, also one that raised (an
@@ -373,9 +363,8 @@ class Unit:
             trace("pre_backward_again", self.fqn, self.state.name)
             self._ready.clear()
             self.state = TrainingState.PRE_BACKWARD
-            if self.unshard_in_backward:
-                self.unshard()
-                self.wait_for_unshard()
+            self.ctx.gather(self, Gather.AGAIN)
+            self.wait_for_unshard()
             return
         trace("pre_backward", self.fqn, self.state.name)
         self.state = TrainingState.PRE_BACKWARD
@@ -383,14 +372,13 @@ class Unit:
             self._grad_in_outer = any(_compat.will_execute(g.split_node.next_functions[0][0])
                                       for g in self.trainable if g.split_node is not None)
         with label("pre_backward", self.fqn):
-            self.ctx.unshard_for_backward(self, need=self.unshard_in_backward)
+            self.ctx.gather(self, Gather.BACKWARD)
             self.wait_for_unshard()
 
     @_compat.outside_functorch
     def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
         ctx = self._ensure_ctx()
-        ctx.on_backward_hook()
-        ctx.accumulated = True
+        ctx.on_backward_hook(grad_arrived=True)
         self._ready.add(group)
         if len(self._ready) < len(self.trainable):
             return
@@ -408,12 +396,11 @@ class Unit:
             return
         trace("post_backward", self.fqn, self.state.name)
         self.state = TrainingState.POST_BACKWARD
-        if self.reshard_after_backward:
-            self.reshard()
+        ctx.reshard(self, Reshard.AFTER_BACKWARD)
         if not self.requires_gradient_sync:
             for g in self.trainable:
                 g.stash_unsynced_grad()
-        ctx.grads_ready(self)
+        ctx.reduce(self)
 
     def completes_reduction(self) -> bool:
         """Reducing now ends in p.grad: gradient sync on and, with HSDP, the
@@ -421,24 +408,25 @@ class Unit:
         return self.requires_gradient_sync and all(
             g.requires_all_reduce or g.replicate_pg is None for g in self.trainable)
 
-    def launch_reduce_scatters(self) -> list:
+    def launch_reduce_scatters(self, streams) -> list:
         got = any(g.flat.grad is not None for g in self.trainable)
         trace("reduce_scatter", self.fqn, "ready" if got else "zero-filled")
         with label("reduce_scatter", self.fqn):
-            return [g.launch_reduce_scatter(self.ctx.streams) for g in self.trainable]
+            return [g.launch_reduce_scatter(streams) for g in self.trainable]
 
-    def finish_backward(self) -> None:
-        """Called by the root's final callback, for every unit."""
-        self.pinned = False
+    def finish_backward(self, resharded: bool) -> None:
+        """The end of a backward (``RootContext.reset``, for every unit, after
+        its BACKWARD_END reshard decision): left unsharded unless
+        ``resharded``, until the next step (see Kept.BACKWARD)."""
         self.grads_hooked = False
         self._uses_seen = 0
         self._grad_in_outer = False
-        if self.reshard_after_backward:
-            self.reshard()
+        if resharded:
+            self.keep(Kept.NO)
         else:
             for g in self.groups:
                 g.keep_unsharded()
-            self.kept_after_backward = True
+            self.keep(Kept.BACKWARD)
         self._ready.clear()
         self._forward_depth = 0
         self.state = TrainingState.IDLE

@@ -35,7 +35,7 @@ the same events of a real run. Not counted: the copies inside an all-gather
 or reduce-scatter bucket (at most the bucket size each), autograd's per-
 parameter gradients before the flat gradient is assembled, activations.
 
-Two backward schedules, as in [Note: gloo backward] (_unit.py):
+Two backward schedules, as in [Note: gloo backward] (_backward_schedule.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
 reshard, prefetch, then wait, once a unit's gradients are computed).
@@ -147,11 +147,8 @@ def describe(root_unit, blocks: list) -> list[UnitInfo]:
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
                          for e in g.entries])
             groups.append(info)
-        raf = u.user_reshard_after_forward
-        raf = (u is not root_unit) if raf is None else bool(raf)
-        if groups and all(g.aliased for g in groups):
-            raf = False  # as lazy init: resharding would free nothing
-        out.append(UnitInfo(u.fqn, groups, raf, u is root_unit))
+        out.append(UnitInfo(u.fqn, groups, u.resolve_reshard_after_forward(u is root_unit),
+                            u is root_unit))
     return out
 
 
@@ -309,7 +306,7 @@ class Step:
         self.comm.all_gather_bytes += nbytes
 
     def _unshard(self, u: UnitInfo, order: list[UnitInfo] | None) -> None:
-        """Unit.unshard, with RootContext.gather_in_bucket."""
+        """RootContext.gather: a bucket (_gather_bucket), else Unit.unshard."""
         if self.ag_limit > 0 and self.communicates and order is not None and u in order:
             run, total = [], 0
             for v in order[order.index(u):]:
@@ -477,7 +474,7 @@ class Step:
         return out
 
     def _hooked(self, u: UnitInfo) -> bool:
-        """Its gradients run Unit._grads_computed (gloo, a group with world > 1)."""
+        """Its gradients run RootContext.grads_computed (gloo, a group with world > 1)."""
         return self.gloo and any(g.world > 1 for g in u.trainable)
 
     def _pre_backward(self, u: UnitInfo) -> None:
@@ -498,7 +495,7 @@ class Step:
     def _unit_grads(self, u: UnitInfo) -> None:
         """Its parameter gradients are computed, assembled, accumulated."""
         for g in u.trainable:
-            if self._hooked(u) and g.world > 1:  # Unit._grads_computed
+            if self._hooked(u) and g.world > 1:  # RootContext.grads_computed
                 if self.state[id(g)] != _SHARDED:
                     self._event("reshard", u)
                     self._reshard_group(g)
