@@ -8,6 +8,13 @@ scenarios of one world size in one multi-process launch.
 * :func:`compare_with_reference`: every sharded parameter (and gradient) of
   this rank against the same piece of an unsharded reference, by the
   documented layout rule (``_pieces``).
+* :func:`schedule_text` / :func:`split_schedule` / :func:`net2_backward`: a
+  recorded schedule (``record_schedule``) as text, cut into steps or phases;
+  the backward of a step whose forward is the one several schedule tests
+  share (:data:`NET2_FORWARD`).
+* :class:`StreamDouble` / :func:`recording`: a stream runtime for the stream
+  manager that records instead of ordering (CUDA's side streams checked on
+  CPU), and the record of every collective issued.
 * :class:`Scenarios`: named scenarios, one launch per world size (cached). A
   scenario that raises on a rank stops that rank's launch at once (no
   barrier, no later collective: a peer waiting in a collective fails as soon
@@ -20,24 +27,31 @@ testing the harness (test_parity's mock mode) can use this module without it.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import pickle
 import shutil
 import tempfile
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
 
 __all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
-           "compare_step", "raised", "Scenarios", "call_by_name"]
+           "compare_step", "raised", "schedule_text", "split_schedule", "NET2_FORWARD",
+           "net2_backward", "StreamDouble", "IssueRecorder", "recording", "Scenarios",
+           "call_by_name"]
 
 
 # ==========================================================================
@@ -226,6 +240,138 @@ def raised(fn: Callable[[], Any]) -> tuple:
     except Exception as e:  # noqa: BLE001 - the caller compares the messages
         return type(e).__name__, str(e)
     return "no error", ""
+
+
+# ==========================================================================
+# Schedules
+# ==========================================================================
+
+
+def schedule_text(events) -> str:
+    """The events of ``record_schedule``, one line each: the non-empty fields
+    joined by spaces (``"all_gather layers.0 IDLE"``)."""
+    return "\n".join(" ".join(x for x in e if x) for e in events)
+
+
+# ==========================================================================
+# A recording stream runtime (CUDA's side streams, on CPU)
+# ==========================================================================
+
+
+class _Event:
+    def __init__(self, n: int, stream: "_Stream"):
+        self.n, self.stream = n, stream
+
+    def synchronize(self) -> None:
+        self.stream.rt.log.append(("sync", self.stream.name, self.n))
+
+
+class _Stream:
+    def __init__(self, name: str, rt: "StreamDouble"):
+        self.name, self.rt = name, rt
+
+    def record_event(self) -> _Event:
+        ev = _Event(next(self.rt.ids), self)
+        self.rt.log.append(("record", self.name, ev.n))
+        return ev
+
+    def wait_event(self, ev: _Event) -> None:
+        self.rt.log.append(("wait", self.name, ev.n))
+
+
+class StreamDouble:
+    """The stream runtime of ``StreamManager`` (``fsdp_compose._streams``, the
+    seam ``runtime_factory``) as a double: streams and events record into
+    ``log`` instead of ordering anything (``("record", stream, n)``,
+    ``("wait", stream, n)``, ``("sync", stream, n)``); host copies are logged
+    with the stream they are issued on (``("h2d", stream)``, ``("d2h",
+    stream, pinned)``); ``mark`` logs a test's own milestones.
+    ``side_streams``: the names of the streams the manager makes, in the order
+    it makes them (the all-gather stream first); one more is an error."""
+
+    def __init__(self, side_streams: Sequence[str] = ("ag", "rs", "ar")):
+        self.log: list = []      # stream operations, copies, issues, releases, marks
+        self.issues: list = []   # (kind, stream, async_op, numel) of every collective
+        self.ids = itertools.count()
+        self._names = iter(side_streams)
+        self._stack = [_Stream("compute", self)]
+        self._pinned = WeakIdKeyDictionary()
+
+    def current_stream(self) -> _Stream:
+        return self._stack[-1]
+
+    def new_stream(self) -> _Stream:
+        return _Stream(next(self._names), self)
+
+    @contextlib.contextmanager
+    def use(self, stream: _Stream):
+        self._stack.append(stream)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        if pin:
+            self._pinned[t] = True
+        return t
+
+    def host_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(("h2d", self.current_stream().name))
+        dst.copy_(src)
+
+    def device_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(("d2h", self.current_stream().name, dst in self._pinned))
+        dst.copy_(src)
+
+    def mark(self, what: str) -> None:
+        self.log.append(("mark", what))
+
+
+class IssueRecorder:
+    """For :func:`recording` without streams: the collectives of the default
+    (gloo) path, on stream ``"cpu"`` in ``issues``."""
+
+    def __init__(self):
+        self.issues, self.log = [], []
+
+    def current_stream(self):
+        return None
+
+
+@contextlib.contextmanager
+def recording(rt, *, kinds: Sequence[str] = ("all_gather", "reduce_scatter", "all_reduce"),
+              logged: Sequence[str] = ("all_gather", "reduce_scatter"), use_double: bool = True):
+    """Record every call of the ``fsdp_compose._collectives`` functions named
+    in ``kinds`` into ``rt`` (a :class:`StreamDouble` or an
+    :class:`IssueRecorder`): ``(kind, stream, async_op, numel)`` in
+    ``rt.issues``; for those in ``logged`` issued on a stream, also
+    ``("issue", stream, kind)`` in ``rt.log`` and, when a tensor it was given
+    is freed, ``("release", i)`` (``i``: the issue's place in the log). With
+    ``use_double`` every root's StreamManager runs on ``rt``."""
+    from fsdp_compose import _collectives, _streams
+
+    with contextlib.ExitStack() as stack:
+        if use_double:
+            stack.enter_context(_streams.runtime_factory(lambda device: rt))
+        for kind in kinds:
+            real = getattr(_collectives, kind)
+
+            def issue(*args, _real=real, _kind=kind, **kw):
+                stream = rt.current_stream()
+                name = stream.name if stream is not None else "cpu"
+                rt.issues.append((_kind, name, kw.get("async_op", True), args[0].numel()))
+                if _kind in logged and stream is not None:
+                    n = len(rt.log)
+                    rt.log.append(("issue", name, _kind))
+                    for t in [a for a in args if isinstance(a, torch.Tensor)] + \
+                            [v for v in kw.values() if isinstance(v, torch.Tensor)]:
+                        weakref.finalize(t, rt.log.append, ("release", n))
+                return _real(*args, **kw)
+
+            stack.enter_context(mock.patch.object(_collectives, kind, issue))
+        yield rt
 
 
 # ==========================================================================

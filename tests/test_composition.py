@@ -55,6 +55,7 @@ from fsdp_compose import (FSDPModule, comm_stats, fully_shard, param_info, recor
 from ._pieces import expected_shape
 from . import _support
 from ._support import Block, Scenarios, compare_with_reference, per_unit_collectives, shard
+from ._support import schedule_text as _fmt
 
 WORLD_SIZES = (2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -327,10 +328,6 @@ for _mode in AC_MODES:
 
 
 # 2. The recompute schedule (world size 2) -----------------------------------
-def _fmt(events) -> str:
-    return "\n".join(" ".join(x for x in e if x) for e in events)
-
-
 def _schedule(rank, ws):
     out = {"problems": []}
     for mode in ("none", "inside_fn_nonreentrant", "inside_wrapper", "around2_nonreentrant",

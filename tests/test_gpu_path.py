@@ -13,8 +13,8 @@ Two doubles stand in for what this machine lacks:
   another device. A move to CUDA (``Tensor.to``) gives a CPU copy marked as
   on CUDA; allocating on CUDA still fails (the build has no CUDA kernels),
   which is how the tests see that a CUDA device was chosen.
-* ``GpuDouble`` (items 3, 4, 5, 7, 8): the stream runtime of
-  ``StreamManager`` (tests/test_streams.py has the first version). Streams
+* ``StreamDouble`` (tests/_support.py; items 3, 4, 5, 7, 8): the stream
+  runtime of ``StreamManager``, also used by tests/test_streams.py. Streams
   and events record instead of ordering; host copies are logged with the
   stream they are issued on and whether their host buffer is pinned;
   ``event.synchronize()`` is logged. Collectives are the real gloo ones and
@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
-import weakref
 from unittest import mock
 
 import pytest
@@ -45,11 +43,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 import fsdp_compose._streams as streams_mod
 from fsdp_compose import (CPUOffloadPolicy, clip_grad_norm_, fully_shard, materialize,
                           param_info)
-from fsdp_compose import _collectives
 
 from ._dist import run_distributed
 from ._pieces import piece_close
-from ._support import Block, Net, per_unit_collectives, shard
+from ._support import (Block, IssueRecorder, Net, StreamDouble, per_unit_collectives, recording,
+                       shard)
 from .test_streams import _check_protocol
 
 # what this CPU-only build says when asked to allocate on CUDA
@@ -122,107 +120,6 @@ def _outcome(fn) -> str:
     return "cpu"
 
 
-# --------------------------------------------------------------- stream double
-class _Event:
-    def __init__(self, n: int, stream: "_Stream"):
-        self.n, self.stream = n, stream
-
-    def synchronize(self) -> None:
-        self.stream.rt.log.append(("sync", self.stream.name, self.n))
-
-
-class _Stream:
-    def __init__(self, name: str, rt: "GpuDouble"):
-        self.name, self.rt = name, rt
-
-    def record_event(self) -> _Event:
-        ev = _Event(next(self.rt.ids), self)
-        self.rt.log.append(("record", self.name, ev.n))
-        return ev
-
-    def wait_event(self, ev: _Event) -> None:
-        self.rt.log.append(("wait", self.name, ev.n))
-
-
-class GpuDouble:
-    """A CUDA runtime for StreamManager that records (see the module doc)."""
-
-    def __init__(self):
-        self.log: list = []      # stream operations, copies, issues, releases, marks
-        self.issues: list = []   # (kind, stream, async_op, numel) of every collective
-        self.ids = itertools.count()
-        self._names = iter(["ag", "rs", "ar"])  # in the order the manager makes them
-        self._stack = [_Stream("compute", self)]
-        self._pinned = WeakIdKeyDictionary()
-
-    def current_stream(self) -> _Stream:
-        return self._stack[-1]
-
-    def new_stream(self) -> _Stream:
-        return _Stream(next(self._names), self)
-
-    @contextlib.contextmanager
-    def use(self, stream: _Stream):
-        self._stack.append(stream)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-
-    def host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if pin:
-            self._pinned[t] = True
-        return t
-
-    def host_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.log.append(("h2d", self.current_stream().name))
-        dst.copy_(src)
-
-    def device_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.log.append(("d2h", self.current_stream().name, dst in self._pinned))
-        dst.copy_(src)
-
-    def mark(self, what: str) -> None:
-        self.log.append(("mark", what))
-
-
-class _Issues:
-    """Records the collectives of the default (gloo) path."""
-
-    def __init__(self):
-        self.issues, self.log = [], []
-
-    def current_stream(self):
-        return None
-
-
-@contextlib.contextmanager
-def recording(rt, use_double: bool = True):
-    """Record every collective the library issues into ``rt``; with
-    ``use_double`` every root's StreamManager runs on ``rt``."""
-    with contextlib.ExitStack() as stack:
-        if use_double:
-            stack.enter_context(streams_mod.runtime_factory(lambda device: rt))
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            real = getattr(_collectives, kind)
-
-            def issue(*args, _real=real, _kind=kind, **kw):
-                stream = rt.current_stream()
-                name = stream.name if stream is not None else "cpu"
-                rt.issues.append((_kind, name, kw.get("async_op", True), args[0].numel()))
-                if _kind != "all_reduce" and stream is not None:  # test_streams' format
-                    n = len(rt.log)
-                    rt.log.append(("issue", name, _kind))
-                    for t in [a for a in args if isinstance(a, torch.Tensor)] + \
-                            [v for v in kw.values() if isinstance(v, torch.Tensor)]:
-                        weakref.finalize(t, rt.log.append, ("release", n))
-                return _real(*args, **kw)
-
-            stack.enter_context(mock.patch.object(_collectives, kind, issue))
-        yield rt
-
-
 # ============================================================ 1. default device
 def _default_device(rank, world):
     out = {}
@@ -288,7 +185,7 @@ def test_clip_grad_norm_offload_reduces_on_the_groups_device():
 
 # ============================================= 6. a root without parameters
 def _paramless_root(rank, world):
-    rt = GpuDouble()
+    rt = StreamDouble()
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
     ref = copy.deepcopy(model)
@@ -329,7 +226,7 @@ def _offload_steps(rank, world, variant: str):
     mesh = init_device_mesh("cpu", (2, world // 2)) if variant == "hsdp" else None
     runs = {}
     for name in ("default", "double"):
-        rt = GpuDouble() if name == "double" else _Issues()
+        rt = StreamDouble() if name == "double" else IssueRecorder()
         model = copy.deepcopy(base)
         policy = CPUOffloadPolicy(pin_memory=True)
         for i, layer in enumerate(model.layers):
@@ -452,7 +349,7 @@ class _Exploding(Net):
 
 
 def _aborted(rank, world):
-    rt = GpuDouble()
+    rt = StreamDouble()
     torch.manual_seed(0)
     model = _Exploding(n=3)
     with recording(rt):
@@ -492,7 +389,7 @@ def test_side_stream_collectives_run_on_the_side_streams():
 
 
 def _default_path_issues(rank, world):
-    rt = _Issues()
+    rt = IssueRecorder()
     with recording(rt, use_double=False):
         model = per_unit_collectives(shard(Net(n=2)))
         model(torch.randn(4, 3)).sum().backward()
@@ -543,7 +440,7 @@ def _issue_order(rank, world, scenario, depth, per_unit):
     torch.manual_seed(0)
     model = Chain()
     ref = copy.deepcopy(model)
-    rt = GpuDouble()
+    rt = StreamDouble()
     with recording(rt):
         for layer in model.layers:
             fully_shard(layer)

@@ -13,10 +13,7 @@ from fsdp_compose import comm_stats, fully_shard, record_schedule, reset_comm_st
 
 from ._dist import run_distributed
 from ._support import Block, Net, per_unit_collectives, shard
-
-
-def _fmt(events) -> str:
-    return "\n".join(" ".join(x for x in e if x) for e in events)
+from ._support import schedule_text as _fmt
 
 
 def _calls() -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """The side-stream protocol of the stream manager (CUDA's), checked on CPU.
 
 No GPU here: the manager takes a ``runtime`` (streams and events), and this
-test gives it a recording double whose events order nothing, over gloo. What
-it checks is what the CUDA path relies on (see [Note: side streams] in
-fsdp_compose/_streams.py):
+test gives it a recording double whose events order nothing (``StreamDouble``
+of tests/_support.py), over gloo. What it checks is what the CUDA path relies
+on (see [Note: side streams] in fsdp_compose/_streams.py):
 
 - every all-gather is issued on the all-gather stream, every reduce-scatter
   (and the all-reduce of its used-flags) on the reduce-scatter stream, never
@@ -23,60 +23,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import itertools
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import _collectives, _grad_path, _streams, fully_shard, param_info
+from fsdp_compose import _grad_path, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
+from ._support import StreamDouble, recording
 from .test_api import Net, per_unit_collectives
 
 
-class _Event:
-    def __init__(self, n: int, stream: str):
-        self.n, self.stream = n, stream
-
-
-class _Stream:
-    def __init__(self, name: str, rt: "_Recorder"):
-        self.name, self._rt = name, rt
-
-    def record_event(self) -> _Event:
-        ev = _Event(next(self._rt.ids), self.name)
-        self._rt.log.append(("record", self.name, ev.n))
-        return ev
-
-    def wait_event(self, ev: _Event) -> None:
-        self._rt.log.append(("wait", self.name, ev.n))
-
-
-class _Recorder:
-    """A stream runtime that records instead of ordering."""
-
-    def __init__(self):
-        self.log: list = []
-        self.ids = itertools.count()
-        self.names = iter(["ag", "rs"])  # the manager makes the all-gather stream first
-        self._stack = [_Stream("compute", self)]
-
-    def current_stream(self) -> _Stream:
-        return self._stack[-1]
-
-    def new_stream(self) -> _Stream:
-        return _Stream(next(self.names), self)
-
-    @contextlib.contextmanager
-    def use(self, stream: _Stream):
-        self._stack.append(stream)
-        try:
-            yield
-        finally:
-            self._stack.pop()
+# the collectives the stream manager issues in training, each checked by _check_protocol
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce_async")
 
 
 def _train(streams: bool, per_unit: bool):
@@ -85,25 +46,13 @@ def _train(streams: bool, per_unit: bool):
     torch.manual_seed(0)
     model = Net(n=4)
     ref = copy.deepcopy(model)
-    rt = _Recorder() if streams else None
+    # two side streams (all-gather, reduce-scatter): a third is an error
+    rt = StreamDouble(side_streams=("ag", "rs")) if streams else None
     patched = []
-    if streams:
-        seam = contextlib.ExitStack()  # every root's stream manager runs on rt
-        seam.enter_context(_streams.runtime_factory(lambda device: rt))
+    if streams:  # every root's stream manager runs on rt, every collective is logged
+        seam = contextlib.ExitStack()
+        seam.enter_context(recording(rt, kinds=_KINDS, logged=_KINDS))
         patched.append(seam.close)
-        for kind in ("all_gather", "reduce_scatter", "all_reduce_async"):
-            real = getattr(_collectives, kind)
-
-            def issue(*args, _real=real, _kind=kind, **kw):
-                n = len(rt.log)
-                rt.log.append(("issue", rt.current_stream().name, _kind))
-                for t in [a for a in args if isinstance(a, torch.Tensor)] + \
-                        [v for v in kw.values() if isinstance(v, torch.Tensor)]:
-                    weakref.finalize(t, rt.log.append, ("release", n))
-                return _real(*args, **kw)
-
-            setattr(_collectives, kind, issue)
-            patched.append(lambda _k=kind, _r=real: setattr(_collectives, _k, _r))
     if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
         inline = _grad_path.INLINE_FLAGS_BYTES
         _grad_path.INLINE_FLAGS_BYTES = 0
