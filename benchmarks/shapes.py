@@ -25,8 +25,11 @@ class Shape:
 SHAPES = {
     # Overhead-bound: 64 tiny residual MLP blocks, each its own FSDP unit, so the
     # step is dominated by per-unit hooks, collectives and optimizer calls.
+    # 45 timed steps: its peak RSS (~270 MiB, 4 MiB of it training state) is
+    # read at steady state: ours levels off by step 6, FSDP1's still grows at
+    # step 18 (docs/design.md, "Peak RSS of small units").
     "overhead": Shape("overhead", dim=64, hidden=64, blocks=64, batch=16, act="relu",
-                      steps=15, warmup=3,
+                      steps=45, warmup=3,
                       what="64 x [Linear(64,64)+ReLU+Linear(64,64), residual] + LayerNorm"),
     # Memory-bound: ~134M parameters in 8 large blocks (537 MB fp32), small batch,
     # so parameters, gradients, AdamW state and communicated bytes dominate.
