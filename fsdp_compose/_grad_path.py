@@ -60,7 +60,9 @@ The gradient shard is held only by the p.grad views (through their
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,21 @@ from ._streams import Pending, StreamManager
 # sends them in a tiny all-reduce of their own, where that copy would cost
 # more than the collective's latency (see [Note: parameters without a gradient]).
 INLINE_FLAGS_BYTES = 256 << 10
+_inline_flags_bytes = INLINE_FLAGS_BYTES
+
+
+@contextlib.contextmanager
+def inline_flags_limit(nbytes: int) -> Iterator[None]:
+    """Inside, the size up to which a flat gradient carries its used-flags in
+    its reduce-scatter is ``nbytes`` (0: every one sends them in an all-reduce
+    of its own): the seam for tests of that path on small models."""
+    global _inline_flags_bytes
+    prev, _inline_flags_bytes = _inline_flags_bytes, nbytes
+    try:
+        yield
+    finally:
+        _inline_flags_bytes = prev
+
 # which collective a unit waits for, in a DivergenceError (see _divergence.py)
 _REDUCE = "the reduce-scatter of its gradients"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -264,7 +281,7 @@ class GradientPath:
 
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
-        inline = self.padded_numel * self.reduce_dtype.itemsize <= INLINE_FLAGS_BYTES
+        inline = self.padded_numel * self.reduce_dtype.itemsize <= _inline_flags_bytes
         if self.world > 1 and inline:
             return _launch_inline([self], streams)[0]
         taken = self.take_grad()

@@ -300,11 +300,8 @@ def separate_flags(fn):
     """``fn`` with every flat gradient's used-flags in an all-reduce of their
     own (as for flat gradients above INLINE_FLAGS_BYTES; these are small)."""
     def run(*args, **kw):
-        inline, _grad_path.INLINE_FLAGS_BYTES = _grad_path.INLINE_FLAGS_BYTES, 0
-        try:
+        with _grad_path.inline_flags_limit(0):
             return fn(*args, **kw)
-        finally:
-            _grad_path.INLINE_FLAGS_BYTES = inline
     return run
 
 

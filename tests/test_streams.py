@@ -54,9 +54,9 @@ def _train(streams: bool, per_unit: bool):
         seam.enter_context(recording(rt, kinds=_KINDS, logged=_KINDS))
         patched.append(seam.close)
     if per_unit:  # the used-flags' own all-reduce (large flat gradients) is checked too
-        inline = _grad_path.INLINE_FLAGS_BYTES
-        _grad_path.INLINE_FLAGS_BYTES = 0
-        patched.append(lambda: setattr(_grad_path, "INLINE_FLAGS_BYTES", inline))
+        seam = _grad_path.inline_flags_limit(0)
+        seam.__enter__()
+        patched.append(lambda: seam.__exit__(None, None, None))
     try:
         for layer in model.layers:
             fully_shard(layer)
