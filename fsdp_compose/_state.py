@@ -311,7 +311,7 @@ def lazy_init_root(unit: Unit) -> None:
     _check_not_meta(unit, units)
     _check_root_settings(unit, units)
     for u in units:
-        _check_params(u)
+        u.check_params()
     # a root without parameters of its own (a Sequential of sharded blocks)
     # communicates where its mesh lives, like the units it holds
     device = unit.groups[0].device if unit.groups else unit.device
@@ -384,23 +384,3 @@ def _check_root_settings(root: Unit, units: list[Unit]) -> None:
             raise unit_error(u.fqn, f"{where}() was called on this unit, but it is not the "
                              f"root ('{root.fqn or '<root>'}' is): the setting would be ignored.",
                              root_setting_fix(where), exc=ValueError)
-
-
-def _check_params(u: Unit) -> None:
-    for g in u.groups:
-        for e in g.entries:
-            for m, attr in e.slots:
-                held = m._parameters.get(attr)
-                if held is not e.sharded and held is not e.unsharded:
-                    raise unit_error(
-                        u.fqn, f"parameter '{e.fqn}' was replaced after fully_shard.",
-                        "Assign or re-initialise parameters before calling fully_shard, not "
-                        "after (in place, under torch.no_grad(), is fine); cast or move the "
-                        "module fully_shard was applied to (or the whole model), not a module "
-                        "inside it.")
-            if e.sharded.untyped_storage().data_ptr() != g.shard.untyped_storage().data_ptr():
-                raise unit_error(
-                    u.fqn, f"parameter '{e.fqn}' no longer aliases its shard (its .data was "
-                    "replaced: p.data = ..., or .to() / to_empty() on a module inside the unit).",
-                    "Cast or move the module fully_shard was applied to (or the whole model), "
-                    "which casts the shards; or do it before fully_shard.")

@@ -296,6 +296,46 @@ def cast_inside_a_unit(rank, world):
     return ["no error"]
 
 
+def _change_inside(lin: nn.Linear, how: str) -> None:
+    with torch.no_grad():
+        if how == "double":
+            lin.double()
+        elif how == "data":
+            lin.weight.data = lin.weight.detach().clone()
+        elif how == "to_empty":
+            lin.to_empty(device="cpu")
+        else:  # a new Parameter object in the module
+            lin.weight = nn.Parameter(lin.weight.detach().clone())
+
+
+def changed_inside_a_unit_after_training(rank, world):
+    """After training, a module inside a unit cast, moved, or its parameter's
+    .data or object replaced: the next forward raises, naming the parameter
+    (else the optimizer would step a copy no all-gather reads). At world size
+    1 (nothing sharded: the Parameters are autograd's own, plain PyTorch) a
+    replaced .data trains as it would there."""
+    if world == 1:
+        m, ref = built(11)
+        bad = train(m, ref, [0], rank, world, torch.float32, 1e-6)
+        _change_inside(m.layers[0].lin1, "data")
+        _change_inside(ref.layers[0].lin1, "data")
+        return bad + train(m, ref, [1, 2], rank, world, torch.float32, 1e-6)
+    bad = []
+    for how in ("double", "data", "to_empty", "new_parameter"):
+        m, ref = built(11)
+        train(m, ref, [0], rank, world, torch.float32, 1e-6)
+        _change_inside(m.layers[0].lin1, how)
+        try:
+            m(batch(1)[0])
+        except RuntimeError as e:
+            msg = str(e)
+            want = ["layers.0.lin1.weight", "the module fully_shard was applied to"]
+            bad += [f"{how}: {w!r} not in {msg!r}" for w in want if w not in msg]
+        else:
+            bad.append(f"{how}: no error")
+    return bad
+
+
 def partial_list_unit(rank, world):
     """One module of a list unit cast alone: the other keeps the old dtype."""
     class Pair(nn.Module):
@@ -323,7 +363,7 @@ def partial_list_unit(rank, world):
 SCENARIOS = [double_before_first_forward, double_with_grads_after_training, bf16_half_and_back,
              mp_policy_keeps_compute_dtype, mp_model_cast_to_param_dtype, to_empty_after_meta,
              overwrite_on_conversion, swap_on_conversion, no_op_moves, accumulate_then_cast,
-             cast_inside_a_unit, partial_list_unit]
+             cast_inside_a_unit, changed_inside_a_unit_after_training, partial_list_unit]
 
 
 NAMES = [fn.__name__ for fn in SCENARIOS]
