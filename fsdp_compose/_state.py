@@ -43,7 +43,7 @@ from ._unit import Unit
 
 class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
     def __init__(self, root: Unit, units: list[Unit], device: torch.device,
-                 communicates: bool = True):
+                 communicates: bool):
         self.root = root
         self.units = units
         self.last_step_order = LastStepOrder()
@@ -174,8 +174,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
     def reshard(self, unit: Unit, event: Reshard, grad_follows: bool = False,
                 group=None) -> bool:
         """Whether ``unit`` frees its unsharded parameters after ``event``
-        (and frees them): the one policy table. Returns whether it did, or
-        (BACKWARD_END) whether it is left sharded.
+        (and frees them): the one policy table. Returns whether it did.
 
         - AFTER_FORWARD (``grad_follows``: a backward follows): if
           reshard_after_forward, else kept for backward; an eval forward (no

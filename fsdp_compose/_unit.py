@@ -61,8 +61,7 @@ class Unit:
         # requires_grad_() on the Parameters (see _sync_requires_grad); see hook_groups
         self.trainable: list[FlatGroup] = []
         self.fqn = label
-        self._reshard_after_forward: bool | None = None
-        self.set_reshard_after_forward(reshard_after_forward)
+        self.set_reshard_after_forward(reshard_after_forward)  # (resolved: reshard_after_forward)
         # False: stay gathered after backward (the next forward all-gathers
         # nothing, unless an optimizer step changed a shard meanwhile)
         self.reshard_after_backward = True
@@ -125,7 +124,7 @@ class Unit:
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
 
-    def set_reshard_after_forward(self, value: bool | None) -> None:
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
         """The user's setting (fully_shard's argument, set_reshard_after_forward);
         ``reshard_after_forward`` resolves it."""
         self._reshard_after_forward = value
