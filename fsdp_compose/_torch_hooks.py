@@ -33,6 +33,20 @@ mesh; the same result DDP gets), and every other call to torch's function
 unchanged. A reference taken before that (``from torch.nn.utils import
 clip_grad_norm_`` before the first ``fully_shard``) still calls torch's own
 function; that path is made loud (see ``_compat.guard_torch_clip_helper``).
+
+[Note: loss scaling]
+``torch.amp.GradScaler.unscale_`` looks for inf/nan in the gradients this
+rank holds. On sharded parameters that is this rank's rows: an overflow in
+one rank's rows makes that rank alone skip ``optimizer.step()`` and back off
+its scale, while the others step; the ranks then train differently, without
+an error (tests/test_grad_scaler.py measures it). torch's
+``ShardedGradScaler`` all-reduces that check. So at the first ``fully_shard``
+``GradScaler.unscale_`` (which ``step`` calls too) gets a guard: for an
+enabled scaler whose optimizer holds a parameter split over ranks, it raises
+on every rank (the layout is the same on every rank) naming the parameter and
+``ShardedGradScaler``, before anything is unscaled. ``ShardedGradScaler``
+overrides ``unscale_``, so it never reaches the guard; any other optimizer
+costs one registry lookup per parameter per ``unscale_``.
 """
 from __future__ import annotations
 
@@ -223,6 +237,33 @@ def _any_split(params) -> bool:
     return False
 
 
+def _guard_grad_scaler() -> None:
+    """See [Note: loss scaling]."""
+    original = torch.amp.GradScaler.unscale_
+    if getattr(original, "_fsdp_compose_guard", False):
+        return
+
+    def unscale_(self, optimizer):
+        if self.is_enabled():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    hit = SHARDED.get(p)
+                    if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
+                        raise unit_error(
+                            hit[0].unit_fqn, f"{type(self).__name__} on sharded parameters "
+                            f"('{hit[1].fqn}' is split over ranks): its inf/nan check reads "
+                            "only the gradient rows this rank holds, so an overflow would make "
+                            "some ranks skip the optimizer step and others not.",
+                            "Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler "
+                            "(same arguments; it checks across ranks), as with FSDP.")
+        return original(self, optimizer)
+
+    unscale_.__doc__ = original.__doc__
+    unscale_.__wrapped__ = original
+    unscale_._fsdp_compose_guard = True
+    torch.amp.GradScaler.unscale_ = unscale_
+
+
 def _make_clip_dispatcher(original):
     def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None):
@@ -266,3 +307,4 @@ def install() -> None:
         nn.utils.clip_grad.clip_grad_norm_ = dispatcher
         nn.utils.clip_grad_norm_ = dispatcher
     _compat.guard_torch_clip_helper(_stale_clip_error)
+    _guard_grad_scaler()

@@ -74,8 +74,9 @@ class MixedPrecisionPolicy:
     shard. In fp16/bf16 the reduction divides before and after the sum so
     partial sums stay in range. fp16 gradients also need loss scaling, with
     ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` (its
-    inf check is all-reduced; ``torch.amp.GradScaler`` checks this rank's
-    rows only, see the README): the policy does not scale the loss.
+    inf check is all-reduced; ``torch.amp.GradScaler`` would check this
+    rank's rows only, so on sharded parameters it raises: see the README):
+    the policy does not scale the loss.
     ``output_dtype``: cast the unit's floating-point outputs to this dtype.
     ``cast_forward_inputs``: cast floating-point forward inputs to
     ``param_dtype`` (e.g. an fp32 norm unit next to bf16 blocks:

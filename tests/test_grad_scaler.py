@@ -15,7 +15,12 @@ a single process stepping the unsharded model with ``torch.amp.GradScaler``
 on the global batch. Parameters are fp32, so the comparison is tight (the
 scaler's decisions do not depend on the dtype; scales are powers of two).
 
-Each world size runs ONE multi-process launch doing both scalers; the ranks
+fsdp_compose makes ``torch.amp.GradScaler`` on sharded parameters an error
+on every rank that names ``ShardedGradScaler`` ([Note: loss scaling] in
+fsdp_compose/_torch_hooks.py); the "unguarded" run bypasses that guard to
+measure the divergence it prevents.
+
+Each world size runs ONE multi-process launch doing every scaler; the ranks
 return what they measured and the tests assert on it.
 """
 from __future__ import annotations
@@ -78,12 +83,18 @@ class Net(_support.Net):
 def _scaler(kind: str):
     if kind == "sharded":
         return ShardedGradScaler("cpu", **SCALER)
+    if kind == "unguarded":  # torch's own unscale_, without fsdp_compose's guard
+        base = torch.amp.GradScaler
+        unguarded = type("Unguarded", (base,),
+                         {"unscale_": getattr(base.unscale_, "__wrapped__", base.unscale_)})
+        return unguarded("cpu", **SCALER)
     return torch.amp.GradScaler("cpu", **SCALER)
 
 
 def _run(rank: int, world: int, kind: str) -> dict:
-    """STEPS steps of the sharded model with scaler ``kind`` ("sharded" or
-    "plain") and of the reference; per step what this rank measured."""
+    """STEPS steps of the sharded model with scaler ``kind`` ("sharded",
+    "unguarded" or "plain") and of the reference; per step what this rank
+    measured."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -133,7 +144,13 @@ def _run(rank: int, world: int, kind: str) -> dict:
 
 
 def _both(rank: int, world: int) -> dict:
-    return {kind: _run(rank, world, kind) for kind in ("sharded", "plain")}
+    out = {kind: _run(rank, world, kind) for kind in ("sharded", "unguarded")}
+    try:
+        _run(rank, world, "plain")
+        out["plain"] = None
+    except RuntimeError as e:
+        out["plain"] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -170,7 +187,7 @@ def test_sharded_grad_scaler_matches_the_reference_on_every_rank(measured):
         assert not problems, (world, rank, problems[:12])
 
 
-def test_torch_plain_grad_scaler_diverges_across_ranks_on_sharded_grads(measured):
+def test_torch_grad_scaler_without_the_guard_diverges_across_ranks(measured):
     """Documents torch's ``torch.amp.GradScaler`` on sharded gradients (the
     hazard the README warns about), not a behaviour of fsdp_compose: the inf
     lands in the rows of the rank that holds them; that rank alone skips the
@@ -179,7 +196,7 @@ def test_torch_plain_grad_scaler_diverges_across_ranks_on_sharded_grads(measured
     world, results = measured
     holder = _setup_holds(world, results)
     for rank, r in enumerate(results):
-        steps = r["plain"]["steps"]
+        steps = r["unguarded"]["steps"]
         assert [s["local_inf"] for s in steps] == \
             [rank == holder and i == INF_STEP for i in range(STEPS)], (rank, steps)
         assert [s["stepped"] for s in steps] == \
@@ -192,5 +209,17 @@ def test_torch_plain_grad_scaler_diverges_across_ranks_on_sharded_grads(measured
         bad = [i for i, s in enumerate(steps) if any(" param " in p for p in s["problems"])]
         first = INF_STEP + (rank == holder)
         assert bad == list(range(first, STEPS)), (rank, bad)
-    scales = [r["plain"]["steps"][INF_STEP]["scale"] for r in results]
+    scales = [r["unguarded"]["steps"][INF_STEP]["scale"] for r in results]
     assert len(set(scales)) == 2, scales
+
+
+def test_plain_grad_scaler_on_sharded_parameters_raises_on_every_rank(measured):
+    """The guard: every rank raises at the first unscale_ (before any step),
+    naming a split parameter and the fix."""
+    world, results = measured
+    for rank, r in enumerate(results):
+        msg = r["plain"]
+        assert msg is not None, (rank, "no error")
+        for want in (f"[rank {rank}]", "GradScaler on sharded parameters", "split over ranks",
+                     "ShardedGradScaler"):
+            assert want in msg, (rank, want, msg)
