@@ -228,13 +228,19 @@ def _any_sharded(params) -> bool:
     return any(p in SHARDED for p in params)
 
 
-def _any_split(params) -> bool:
-    """Some parameter's gradient is spread over ranks (the local norm is not the norm)."""
+def _first_split(params):
+    """(group, entry) of the first parameter whose gradient is spread over
+    ranks (a local norm or inf check sees part of it); None if none is."""
     for p in params:
         hit = SHARDED.get(p)
         if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
-            return True
-    return False
+            return hit
+    return None
+
+
+def _any_split(params) -> bool:
+    """Some parameter's gradient is spread over ranks (the local norm is not the norm)."""
+    return _first_split(params) is not None
 
 
 def _guard_grad_scaler() -> None:
@@ -244,18 +250,15 @@ def _guard_grad_scaler() -> None:
         return
 
     def unscale_(self, optimizer):
-        if self.is_enabled():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    hit = SHARDED.get(p)
-                    if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
-                        raise unit_error(
-                            hit[0].unit_fqn, f"{type(self).__name__} on sharded parameters "
-                            f"('{hit[1].fqn}' is split over ranks): its inf/nan check reads "
-                            "only the gradient rows this rank holds, so an overflow would make "
-                            "some ranks skip the optimizer step and others not.",
-                            "Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler "
-                            "(same arguments; it checks across ranks), as with FSDP.")
+        hit = self.is_enabled() and _first_split(
+            p for group in optimizer.param_groups for p in group["params"])
+        if hit:
+            raise unit_error(
+                hit[0].unit_fqn, f"{type(self).__name__} on sharded parameters ('{hit[1].fqn}' "
+                "is split over ranks): its inf/nan check reads only the gradient rows this "
+                "rank holds, so an overflow would make some ranks skip the optimizer step and "
+                "others not.", "Use torch.distributed.fsdp.sharded_grad_scaler."
+                "ShardedGradScaler (same arguments; it checks across ranks), as with FSDP.")
         return original(self, optimizer)
 
     unscale_.__doc__ = original.__doc__
