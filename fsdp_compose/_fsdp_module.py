@@ -87,7 +87,7 @@ class FSDPModule:
         backward).
         """
         unit = self._unit()
-        unit._ensure_ctx().gather(unit, Gather.USER)
+        unit.root_context().gather(unit, Gather.USER)
         unit.keep(Kept.USER)
         handle = UnshardHandle(unit)
         if async_op:

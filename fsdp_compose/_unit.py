@@ -186,7 +186,8 @@ class Unit:
                              f"got {self.state.name}.")
 
     # ----------------------------------------------------------- unshard/reshard
-    def _ensure_ctx(self) -> "RootContext":
+    def root_context(self) -> "RootContext":
+        """Its root's context, made by lazy init at the first use."""
         if self.ctx is None:
             self._lazy_init_root(self)
         return self.ctx
@@ -265,7 +266,7 @@ class Unit:
     def pre_forward(self, module: nn.Module, args, kwargs, entry: str = "forward"):
         """``entry``: the method run (``forward``, or one registered with
         register_fsdp_forward_method)."""
-        ctx = self._ensure_ctx()
+        ctx = self.root_context()
         if _compat.in_backward():  # see [Note: recomputation]
             trace("pre_forward_recompute", self.fqn, self.state.name)
             if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
@@ -409,7 +410,7 @@ class Unit:
 
     @_compat.outside_functorch
     def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
-        ctx = self._ensure_ctx()
+        ctx = self.root_context()
         ctx.on_backward_hook(grad_arrived=True)
         self._ready.add(group)
         if len(self._ready) < len(self.trainable):
