@@ -158,7 +158,7 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
                       offload=offload is not None,
                       pin_memory=bool(offload is not None and offload.pin_memory),
                       replicate_pg=replicate_pg, post_forward=post_forward,
-                      granularity=granularity)
+                      granularity=granularity, mesh=mesh)
             for items in by_key.values()]
 
 

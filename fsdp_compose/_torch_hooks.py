@@ -155,6 +155,9 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     if seen is None or seen[0] != sig:
         _check_optimizer(opt)
         seen = _checked[opt] = (sig, _holds_sharded(opt))
+        if seen[1]:  # its state dicts in FSDP2's form (and state loaded before this step)
+            from ._checkpoint import attach_optimizer
+            attach_optimizer(opt)
     if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
         _divergence.count_optimizer_step()
 
