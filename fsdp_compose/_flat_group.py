@@ -135,6 +135,8 @@ class FlatGroup(GradientPath):
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _backward_schedule.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
         self.mesh = mesh  # the unit's DeviceMesh (state dicts place DTensors on it)
+        self.divide_factor: float | None = None  # set_gradient_divide_factor (None: the mean)
+        self.force_sum = False                   # set_force_sum_reduction_for_comms
         self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
         self.post_forward = post_forward
         self.offload, self.pin_memory = offload, pin_memory

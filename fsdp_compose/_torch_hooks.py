@@ -33,6 +33,10 @@ mesh; the same result DDP gets), and every other call to torch's function
 unchanged. A reference taken before that (``from torch.nn.utils import
 clip_grad_norm_`` before the first ``fully_shard``) still calls torch's own
 function; that path is made loud (see ``_compat.guard_torch_clip_helper``).
+``torch.nn.utils.get_total_norm`` (which torchtitan's clipping calls on the
+gradients, before ``clip_grads_with_norm_``) is routed the same way when any
+tensor it is given is the gradient of a sharded parameter; with the global
+norm, ``clip_grads_with_norm_`` (a local scaling) is right as it is.
 
 [Note: loss scaling]
 ``torch.amp.GradScaler.unscale_`` looks for inf/nan in the gradients this
@@ -276,13 +280,28 @@ def _make_clip_dispatcher(original):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if _any_sharded(params):
             from .clip import clip_grad_norm_ as ours
-            return ours(params, max_norm, norm_type)
+            return ours(params, max_norm, norm_type, error_if_nonfinite, foreach)
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     clip_grad_norm_.__doc__ = original.__doc__
     clip_grad_norm_.__wrapped__ = original
     clip_grad_norm_._fsdp_compose_dispatch = True
     return clip_grad_norm_
+
+
+def _make_total_norm_dispatcher(original):
+    def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       foreach: bool | None = None):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if SHARDED.grad_owners(ts):
+            from .clip import get_total_norm as ours
+            return ours(ts, norm_type, error_if_nonfinite, foreach)
+        return original(ts, norm_type, error_if_nonfinite, foreach)
+
+    get_total_norm.__doc__ = original.__doc__
+    get_total_norm.__wrapped__ = original
+    get_total_norm._fsdp_compose_dispatch = True
+    return get_total_norm
 
 
 def _stale_clip_error(parameters) -> None:
@@ -312,5 +331,8 @@ def install() -> None:
         dispatcher = _make_clip_dispatcher(original)
         nn.utils.clip_grad.clip_grad_norm_ = dispatcher
         nn.utils.clip_grad_norm_ = dispatcher
+    original = nn.utils.get_total_norm
+    if not getattr(original, "_fsdp_compose_dispatch", False):
+        nn.utils.get_total_norm = _make_total_norm_dispatcher(original)
     _compat.guard_torch_clip_helper(_stale_clip_error)
     _guard_grad_scaler()
