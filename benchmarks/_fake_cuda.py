@@ -157,7 +157,9 @@ class CudaJob:
         with contextlib.ExitStack() as stack:
             for name, value in (("is_available", lambda: True), ("device_count", lambda: 8),
                                 ("current_device", lambda: 0), ("is_initialized", lambda: True),
-                                ("set_device", lambda d: None)):
+                                ("set_device", lambda d: None),
+                                # (the optimizers' graph-capture check, on a CUDA build)
+                                ("is_current_stream_capturing", lambda: False)):
                 stack.enter_context(mock.patch.object(torch.cuda, name, value))
             stack.enter_context(mock.patch.object(dist, "get_backend", get_backend))
             stack.enter_context(mock.patch.object(dist, "get_backend_config", get_backend_config))

@@ -96,13 +96,13 @@ NO_TRANSFER = ("fake process group: collectives do no transfer and cost no time;
 # (dim, layers, vocab, heads, seq, batch): the GPU run's models and the dry run's
 MODELS = {
     "demo": (128, 4, 128, 4, 256, 8),             # ModelArgs' defaults
-    "llama-1b": (2048, 18, 32000, 16, 1024, 4),   # ~0.97B parameters (tied embedding)
+    "llama": (2048, 18, 32000, 16, 1024, 4),   # Llama-like, ~0.97B parameters (tied embedding)
     "llama-offload": (1024, 8, 32000, 8, 1024, 2),  # the trace: offload copies visible
     "llama-sanitizer": (256, 3, 512, 4, 128, 2),
 }
 DRY_MODELS = {
     "demo": (64, 2, 64, 2, 32, 2),
-    "llama-1b": (96, 2, 128, 3, 32, 2),
+    "llama": (96, 2, 128, 3, 32, 2),
     "llama-offload": (64, 2, 128, 2, 32, 2),
     "llama-sanitizer": (64, 3, 64, 2, 16, 2),
 }
@@ -461,8 +461,11 @@ def part_env(mach, res: Result, args) -> None:
         res.set("note", "dry run: CPU, small models; no GPU figure is real")
         res.set("gpu", None)
         return
-    res.set("nccl", ".".join(map(str, torch.cuda.nccl.version()))
-            if hasattr(torch.cuda, "nccl") else None)
+    try:
+        v = torch.cuda.nccl.version()  # (major, minor, patch[, suffix]); an int on old torch
+        res.set("nccl", ".".join(map(str, v)) if isinstance(v, tuple) else str(v))
+    except Exception as e:  # noqa: BLE001 - a build without NCCL: say so, go on
+        res.set("nccl", f"unknown ({type(e).__name__}: {e})")
     props = torch.cuda.get_device_properties(mach.device)
     free, total = torch.cuda.mem_get_info(mach.device)
     res.set("gpu", {"name": props.name, "capability": f"{props.major}.{props.minor}",
@@ -486,7 +489,7 @@ def part_ws1(mach, res: Result, args) -> None:
     dist.init_process_group(mach.ws1_backend, store=dist.HashStore(), rank=0, world_size=1)
     out = {}
     try:
-        for name in ("demo", "llama-1b"):
+        for name in ("demo", "llama"):
             dim, layers, vocab, heads, seq, batch = models[name]
             data = _batches(vocab, batch, seq, steps, mach.device)
             row = {"dim": dim, "layers": layers, "vocab": vocab, "seq": seq, "batch": batch}
@@ -608,7 +611,7 @@ def part_fake_pg(mach, res: Result, args) -> None:
     from tools.plan import PlanConfig, compare, plan_world, predicted_for_rank
     models = DRY_MODELS if mach.dry else MODELS
     warmup, timed = (DRY_FAKE_WARMUP, DRY_FAKE_TIMED) if mach.dry else (FAKE_WARMUP, FAKE_TIMED)
-    name = "llama-1b"
+    name = "llama"
     dim, layers, vocab, heads, seq, batch = models[name]
     res.set("note", NO_TRANSFER)
     res.set("what", f"{name} (dim {dim}, {layers} layers, vocab {vocab}, batch {batch} x seq "
