@@ -134,7 +134,7 @@ def skipping_llama(dim: int, layers: int, vocab: int, heads: int, seq: int):
         def forward(self, tokens):
             s = tokens.shape[1]
             h = self.tok_embeddings(tokens)
-            cos, sin = self.rope_cos[:s].to(h.dtype), self.rope_sin[:s].to(h.dtype)
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
             for i, layer in enumerate(self.layers):
                 if i not in self.skip:
                     h = layer(h, cos, sin)

@@ -257,8 +257,10 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def stream_spans(trace_path: str) -> dict:
     """The device side of a CUDA profiler trace, per stream: ``{"streams":
-    {name: [(start, end) µs, ...]}, "kinds": {name: {"kernel": n, "gpu_memcpy":
-    n, ...}}, "steps": [start µs of each ``train_step`` label]}``. The busiest
+    {name: [(start, end) µs, ...]}, "copies": {name: [...]} (the copies and
+    memsets among them), "kinds": {name: {"kernel": n, "gpu_memcpy": n, ...}},
+    "steps": [start µs of each ``train_step`` label, on the device if the
+    trace has it there]}``. The busiest
     stream is named ``compute (stream N)``, the others ``stream N`` (the trace
     numbers streams as CUPTI does, not as torch.cuda.Stream does). Empty
     ``streams`` for a CPU-only trace. Reads ``.json`` or ``.json.gz``."""
@@ -267,20 +269,27 @@ def stream_spans(trace_path: str) -> dict:
     with opener(trace_path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     by_stream: dict = {}
+    copies: dict = {}
     kinds: dict = {}
     for e in events:
         if e.get("cat") not in DEVICE_CATS:
             continue
         sid = (e.get("args") or {}).get("stream", e.get("tid"))
-        by_stream.setdefault(sid, []).append((e["ts"], e["ts"] + e["dur"]))
+        iv = (e["ts"], e["ts"] + e["dur"])
+        by_stream.setdefault(sid, []).append(iv)
+        if e["cat"] != "kernel":
+            copies.setdefault(sid, []).append(iv)
         k = kinds.setdefault(sid, {})
         k[e["cat"]] = k.get(e["cat"], 0) + 1
     busiest = max(by_stream, key=lambda s: _union_len(by_stream[s]), default=None)
     name = {s: (f"compute (stream {s})" if s == busiest else f"stream {s}") for s in by_stream}
+    steps = [e for e in events if e["name"].startswith("train_step ")]
+    on_device = [e for e in steps if e.get("cat") == "gpu_user_annotation"]  # (CUDA traces)
     return {"streams": {name[s]: sorted(v) for s, v in sorted(by_stream.items(),
                                                             key=lambda kv: kv[0] != busiest)},
+            "copies": {name[s]: sorted(v) for s, v in copies.items()},
             "kinds": {name[s]: k for s, k in kinds.items()},
-            "steps": sorted(e["ts"] for e in events if e["name"].startswith("train_step "))}
+            "steps": sorted(e["ts"] for e in (on_device or steps))}
 
 
 def stream_overlap(spans: dict) -> dict:
@@ -303,6 +312,7 @@ def plot_streams(spans: dict, title: str, path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     streams = spans["streams"]
     every = [a for ivs in streams.values() for a, _ in ivs] + spans["steps"]
@@ -313,6 +323,10 @@ def plot_streams(spans: dict, title: str, path: str) -> str:
         ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in ivs], (y + 0.1, 0.8),
                        facecolors=COLORS["compute"] if name.startswith("compute")
                        else COLORS["reduce_scatter"])
+        copies = spans.get("copies", {}).get(name, [])
+        if copies:  # copies and memsets drawn over the lane's kernels
+            ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in copies],
+                           (y + 0.1, 0.8), facecolors=COLORS["all_gather"])
     for i, t in enumerate(spans["steps"]):
         x = (t - t0) / 1e3
         ax.axvline(x, color="black", lw=0.6, ls="--")
@@ -322,6 +336,11 @@ def plot_streams(spans: dict, title: str, path: str) -> str:
     ax.set_ylim(0, len(streams))
     ax.set_xlabel("ms")
     ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(handles=[Patch(color=COLORS["compute"], label="compute-stream kernels"),
+                       Patch(color=COLORS["reduce_scatter"], label="side-stream kernels"),
+                       Patch(color=COLORS["all_gather"], label="copies / memsets")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.6 / len(streams) - 0.1), ncol=3,
+              fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -140,9 +140,8 @@ class Transformer(nn.Module):
         s = tokens.shape[1]
         if s > self.args.max_seq_len:
             raise ValueError(f"sequence length {s} > max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]  # (s, k/2)
         h = self.tok_embeddings(tokens)  # (b, s, d)
-        # the tables in the compute dtype (bf16 parameters: q, k and v stay bf16)
-        cos, sin = self.rope_cos[:s].to(h.dtype), self.rope_sin[:s].to(h.dtype)  # (s, k/2)
         for layer in self.layers:
             h = layer(h, cos, sin)  # (b, s, d)
         return self.output(self.norm(h))  # (b, s, v)
