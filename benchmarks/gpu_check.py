@@ -97,7 +97,7 @@ NO_TRANSFER = ("fake process group: collectives do no transfer and cost no time;
 MODELS = {
     "demo": (128, 4, 128, 4, 256, 8),             # ModelArgs' defaults
     "llama": (2048, 18, 32000, 16, 1024, 4),   # Llama-like, ~0.97B parameters (tied embedding)
-    "llama-offload": (1024, 8, 32000, 8, 1024, 2),  # the trace: offload copies visible
+    "llama-offload": (1024, 8, 32000, 8, 1024, 2),  # 134M: offload row, trace
     "llama-sanitizer": (256, 3, 512, 4, 128, 2),
 }
 DRY_MODELS = {
@@ -111,7 +111,9 @@ WS1_STEPS, WS1_WARMUP = 20, 4
 FAKE_WARMUP, FAKE_TIMED = 2, 8
 DRY_WS1_STEPS, DRY_WS1_WARMUP = 3, 1
 DRY_FAKE_WARMUP, DRY_FAKE_TIMED = 1, 2
-WORLD_SIZES = (2, 8)
+# fake_pg rows: (key, world size, model, CPU offload)
+FAKE_RUNS = [("2", 2, "llama", False), ("8", 8, "llama", False),
+             ("2+offload", 2, "llama-offload", True)]
 
 
 # =============================================================================
@@ -563,7 +565,7 @@ def _measured_plan(units, model, opt, data, device_bytes) -> dict:
 
 
 def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int, timed: int,
-              plan_cfg=None) -> dict:
+              plan_cfg=None, offload: bool = False) -> dict:
     """One implementation at fake world size ``world`` (the fake group is up)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -577,7 +579,7 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
         with torch.device(mach.device):
             model = llama(dim, layers, vocab, heads, seq)
         runner = Sharded(impl, model, init_device_mesh(mach.mesh_type, (world,)),
-                         plan_cfg=plan_cfg)
+                         offload=offload, plan_cfg=plan_cfg)
         it = iter(data)
         for _ in range(warmup):
             runner.step(*next(it))
@@ -611,50 +613,52 @@ def part_fake_pg(mach, res: Result, args) -> None:
     from tools.plan import PlanConfig, compare, plan_world, predicted_for_rank
     models = DRY_MODELS if mach.dry else MODELS
     warmup, timed = (DRY_FAKE_WARMUP, DRY_FAKE_TIMED) if mach.dry else (FAKE_WARMUP, FAKE_TIMED)
-    name = "llama"
-    dim, layers, vocab, heads, seq, batch = models[name]
     res.set("note", NO_TRANSFER)
-    res.set("what", f"{name} (dim {dim}, {layers} layers, vocab {vocab}, batch {batch} x seq "
-                    f"{seq} per simulated rank), bf16 MixedPrecisionPolicy(param bf16, reduce "
-                    f"fp32), AdamW; rank 0 of N simulated; {warmup} untimed steps, median of "
-                    f"{timed} timed; memory peaks over the timed steps; tokens/s per "
-                    "simulated rank")
-    cfg = PlanConfig(model=_spec(name, models), mp="bf16", schedule="cuda")
+    res.set("what", "bf16 MixedPrecisionPolicy(param bf16, reduce fp32), AdamW; rank 0 of N "
+                    f"simulated; {warmup} untimed steps, median of {timed} timed; memory peaks "
+                    "over the timed steps; tokens/s per simulated rank; each row's model under "
+                    "'model'")
     worlds = {}
-    for world in WORLD_SIZES:
+    for key, world, name, offload in FAKE_RUNS:
+        dim, layers, vocab, heads, seq, batch = models[name]
+        cfg = PlanConfig(model=_spec(name, models), mp="bf16", offload=offload, schedule="cuda")
         wp = plan_world(cfg, world)  # (its own fake group, gone again)
-        row = {"note": NO_TRANSFER}
+        row = worlds[key] = {
+            "note": NO_TRANSFER, "world_size": world, "offload": offload,
+            "model": f"{name}: dim {dim}, {layers} layers, vocab {vocab}, batch {batch} x seq "
+                     f"{seq}, {wp.row['params'] / 1e6:,.1f}M parameters"
+                     + (", CPUOffloadPolicy(pin_memory=True)" if offload else "")}
         with _fake_world(world):
             for impl in ("fsdp_compose", "fsdp2"):
                 try:
                     row[impl] = _fake_run(mach, impl, world, name, models, warmup, timed,
-                                          plan_cfg=cfg if impl == "fsdp_compose" else None)
+                                          plan_cfg=cfg if impl == "fsdp_compose" else None,
+                                          offload=offload)
                 except Exception:  # noqa: BLE001 - the other implementation still runs
                     row[impl] = {"error": traceback.format_exc()}
-                worlds[str(world)] = row
                 res.set("world_sizes", worlds)
         ours = row.get("fsdp_compose", {})
         if "measured_plan" in ours:
             measured = ours.pop("measured_plan")
             rows, worst = compare(wp, [measured])
             pred = predicted_for_rank(wp, 0)
-            state = pred["param_bytes"] + pred["grad_bytes"] + pred["optim_bytes"]
+            state = 0 if offload else pred["param_bytes"] + pred["grad_bytes"] + pred["optim_bytes"]
             peak = max(pred["unsharded_forward_peak_bytes"], pred["unsharded_backward_peak_bytes"])
             row["planner"] = {
                 "figures": {r[0]: {"predicted": r[1], "measured": r[2], "diff": r[3]}
                             for r in rows},
                 "worst_rel_diff": worst, "within_10pct": worst <= PLAN_TOLERANCE,
-                "predicted_state_plus_unsharded_peak_mib": (state + peak) / 2**20,
+                "predicted_device_state_plus_unsharded_peak_mib": (state + peak) / 2**20,
                 "max_memory_allocated_mib": ours.get("max_memory_allocated_mib"),
                 "note": "figures: the planner's own quantities, sampled at every schedule "
                         "event of two steps (tools._measure.Tracker); max_memory_allocated "
                         "also holds activations and autograd temporaries, which the planner "
-                        "does not model"}
+                        "does not model" + (" (offload: shards, gradients and optimizer "
+                                            "state are in host memory)" if offload else "")}
         for impl in ("fsdp_compose", "fsdp2"):
             if "error" in row.get(impl, {}):
-                res.check(f"fake_pg world {world} {impl} runs", False,
+                res.check(f"fake_pg {key} {impl} runs", False,
                           row[impl]["error"].strip().splitlines()[-1])
-        worlds[str(world)] = row
         res.set("world_sizes", worlds)
 
 
@@ -860,16 +864,18 @@ def render_md(report: dict, dry: bool) -> str:
                     f" | {_fmt(r.get('max_memory_reserved_mib'), 0)} | "
                     f"{_fmt(r.get('hook_cpu_ms_per_step'), 2)} | "
                     f"{_fmt(r.get('host_syncs_per_step'))} |")
+        lines += [""] + [f"- {world}: {row.get('model', '')}" for world, row in worlds.items()]
         for world, row in worlds.items():
             plan = row.get("planner")
             if not plan:
                 continue
-            lines += ["", f"Planner vs measured, world {world} (ours; worst "
+            lines += ["", f"Planner vs measured, {world} (ours; worst "
                           f"{100 * plan['worst_rel_diff']:.1f}%, "
                           f"{'within' if plan['within_10pct'] else 'NOT within'} 10%); "
-                          f"planned state + unsharded peak "
-                          f"{_fmt(plan['predicted_state_plus_unsharded_peak_mib'], 0)} MiB vs "
-                          f"max_memory_allocated {_fmt(plan['max_memory_allocated_mib'], 0)} MiB "
+                          f"planned device state + unsharded peak "
+                          f"{_fmt(plan['predicted_device_state_plus_unsharded_peak_mib'], 0)} MiB"
+                          f" vs max_memory_allocated "
+                          f"{_fmt(plan['max_memory_allocated_mib'], 0)} MiB "
                           "(activations not planned)", "",
                       "| figure | predicted | measured | diff |", "|---|---|---|---|"]
             lines += [f"| {k} | {v['predicted']} | {v['measured']} | {v['diff']} |"

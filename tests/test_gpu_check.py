@@ -49,7 +49,7 @@ def test_dry_run_passes_with_every_key(tmp_path):
     assert all(c["ok"] for c in report["ws1"]["checks"])
 
     worlds = report["fake_pg"]["world_sizes"]
-    assert set(worlds) == {"2", "8"}
+    assert set(worlds) == {"2", "8", "2+offload"}
     for world, row in worlds.items():
         for impl in ("fsdp_compose", "fsdp2"):
             r = row[impl]
