@@ -610,7 +610,8 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
 
 
 def part_fake_pg(mach, res: Result, args) -> None:
-    from tools.plan import PlanConfig, compare, plan_world, predicted_for_rank
+    from tools.plan import (FIGURES, PlanConfig, compare, plan_world, predicted_for_rank,
+                            rel_diff)
     models = DRY_MODELS if mach.dry else MODELS
     warmup, timed = (DRY_FAKE_WARMUP, DRY_FAKE_TIMED) if mach.dry else (FAKE_WARMUP, FAKE_TIMED)
     res.set("note", NO_TRANSFER)
@@ -640,13 +641,13 @@ def part_fake_pg(mach, res: Result, args) -> None:
         ours = row.get("fsdp_compose", {})
         if "measured_plan" in ours:
             measured = ours.pop("measured_plan")
-            rows, worst = compare(wp, [measured])
+            _, worst = compare(wp, [measured])
             pred = predicted_for_rank(wp, 0)
             state = 0 if offload else pred["param_bytes"] + pred["grad_bytes"] + pred["optim_bytes"]
             peak = max(pred["unsharded_forward_peak_bytes"], pred["unsharded_backward_peak_bytes"])
             row["planner"] = {
-                "figures": {r[0]: {"predicted": r[1], "measured": r[2], "diff": r[3]}
-                            for r in rows},
+                "figures": {k: {"predicted": pred[k], "measured": measured[k],
+                                "rel_diff": rel_diff(pred[k], measured[k])} for k in FIGURES},
                 "worst_rel_diff": worst, "within_10pct": worst <= PLAN_TOLERANCE,
                 "predicted_device_state_plus_unsharded_peak_mib": (state + peak) / 2**20,
                 "max_memory_allocated_mib": ours.get("max_memory_allocated_mib"),
@@ -878,8 +879,8 @@ def render_md(report: dict, dry: bool) -> str:
                           f"{_fmt(plan['max_memory_allocated_mib'], 0)} MiB "
                           "(activations not planned)", "",
                       "| figure | predicted | measured | diff |", "|---|---|---|---|"]
-            lines += [f"| {k} | {v['predicted']} | {v['measured']} | {v['diff']} |"
-                      for k, v in plan["figures"].items()]
+            lines += [f"| {k} | {v['predicted']:,} | {v['measured']:,} | "
+                      f"{100 * v['rel_diff']:.2f}% |" for k, v in plan["figures"].items()]
     trace = fake.get("trace") or {}
     if trace:
         lines += ["", "## Trace", "", trace.get("what", ""), "",
