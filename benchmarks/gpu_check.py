@@ -491,6 +491,10 @@ def part_ws1(mach, res: Result, args) -> None:
     dist.init_process_group(mach.ws1_backend, store=dist.HashStore(), rank=0, world_size=1)
     out = {}
     try:
+        t = torch.ones(4, device=mach.device)
+        dist.all_reduce(t)  # the backend itself works (the library will not call it)
+        mach.sync()
+        res.set("backend", {"name": dist.get_backend(), "all_reduce_ok": t.sum().item() == 4})
         for name in ("demo", "llama"):
             dim, layers, vocab, heads, seq, batch = models[name]
             data = _batches(vocab, batch, seq, steps, mach.device)
@@ -725,6 +729,25 @@ def part_trace(mach, res: Result, args) -> None:
     res.set("png", os.path.basename(png))
 
 
+def _sanitizer_errors(e: BaseException):
+    """The sanitizer's ``CUDASanitizerErrors`` (its ``errors`` list; an
+    empty one if only its message survived), if ``e`` is or wraps one."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "CUDASanitizerErrors":
+            return e if hasattr(e, "errors") else _Found([])
+        if "CUDASanitizerErrors" in str(e):  # re-raised by autograd's engine as another type
+            return _Found([])
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _Found:
+    def __init__(self, errors):
+        self.errors = errors
+
+
 def part_sanitizer(mach, res: Result, args) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -754,9 +777,12 @@ def part_sanitizer(mach, res: Result, args) -> None:
                     done += 1
                 mach.sync()
             except Exception as e:  # noqa: BLE001
-                if type(e).__name__ != "CUDASanitizerErrors":
+                found = _sanitizer_errors(e)
+                if found is None:
                     raise
-                text = "\n\n".join(str(err) for err in getattr(e, "errors", [e]))
+                text = ("\n\n".join(str(err) for err in found.errors) if found.errors else
+                        traceback.format_exc() + "\n(the sanitizer printed each error to "
+                        "stderr: see gpu_check.log)")
                 reports.append({"mesh": key, "step": done, "report": text})
                 print(f"CUDA sanitizer report (mesh {key}, step {done}):\n{text}", flush=True)
             runs[key] = {"steps_done": done}

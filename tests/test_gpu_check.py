@@ -121,3 +121,25 @@ def test_stream_spans_reads_device_events(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:  # (optional: the bench extra)
         png = timeline.plot_streams(spans, "t", str(tmp_path / "s.png"))
         assert os.path.getsize(png) > 1000
+
+
+def test_sanitizer_reports_are_found_whole():
+    """A report of torch's CUDA sanitizer raises ``CUDASanitizerErrors`` at the
+    racing op; the part finds it also when it comes wrapped (raised in a
+    backward hook) and keeps each error's text."""
+
+    class CUDASanitizerErrors(Exception):  # the sanitizer's exception, by name
+        def __init__(self, errors):
+            self.errors = errors
+
+    report = CUDASanitizerErrors(["race on tensor 0x1 between stream 7 and stream 13"])
+    assert gpu_check._sanitizer_errors(report).errors == report.errors
+    try:
+        try:
+            raise report
+        except Exception as e:
+            raise RuntimeError("in a backward hook") from e
+    except RuntimeError as wrapped:
+        assert gpu_check._sanitizer_errors(wrapped) is report
+    assert gpu_check._sanitizer_errors(RuntimeError("CUDASanitizerErrors: detected 1 errors"))
+    assert gpu_check._sanitizer_errors(RuntimeError("an ordinary error")) is None
