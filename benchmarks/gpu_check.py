@@ -393,9 +393,10 @@ def _numel(model) -> int:
 def _label_ms(prof, prefixes: tuple, steps: int) -> float:
     """CPU ms per step inside profiler labels starting with ``prefixes``
     (nested labels counted once: the union of their intervals, per thread)."""
+    from torch.autograd import DeviceType
     by_thread: dict = {}
-    for e in prof.events():
-        if e.name.startswith(prefixes):
+    for e in prof.events():  # (a CUDA profile mirrors labels on the device: not CPU time)
+        if e.name.startswith(prefixes) and e.device_type == DeviceType.CPU:
             by_thread.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
     total = 0.0
     for ivs in by_thread.values():
@@ -536,7 +537,7 @@ def part_ws1(mach, res: Result, args) -> None:
         dist.destroy_process_group()
 
 
-def _measured_plan(units, model, opt, data, device_bytes) -> dict:
+def _measured_plan(units, model, opt, data) -> dict:
     """tools.plan's figures, read off two more steps of ours (tools._measure's
     Tracker at every schedule event; comm_stats of the last step)."""
     import torch
@@ -608,7 +609,7 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
             from fsdp_compose._registry import unit_of
             units = [unit_of(model)] + [unit_of(b) for b in model.layers]
             row["measured_plan"] = _measured_plan(units, model, runner.opt,
-                                                  [next(it), next(it)], None)
+                                                  [next(it), next(it)])
         del runner, model
     return row
 

@@ -32,7 +32,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
