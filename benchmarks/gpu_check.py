@@ -621,7 +621,7 @@ def part_fake_pg(mach, res: Result, args) -> None:
     warmup, timed = (DRY_FAKE_WARMUP, DRY_FAKE_TIMED) if mach.dry else (FAKE_WARMUP, FAKE_TIMED)
     res.set("note", NO_TRANSFER)
     res.set("what", "bf16 MixedPrecisionPolicy(param bf16, reduce fp32), AdamW; rank 0 of N "
-                    f"simulated; {warmup} untimed steps, median of {timed} timed; memory peaks "
+                    f"simulated; {warmup} untimed step(s), median of {timed} timed; memory peaks "
                     "over the timed steps; tokens/s per simulated rank; each row's model under "
                     "'model'")
     worlds = {}
