@@ -974,7 +974,8 @@ def orchestrate(args) -> int:
                 code = proc.wait(timeout=limit)
                 status = "ok" if code == 0 else f"failed (exit code {code})"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+                with contextlib.suppress(ProcessLookupError):  # (it may just have ended)
+                    os.killpg(proc.pid, 9)
                 proc.wait()
                 status = f"timed out after {limit:.0f} s"
             seconds = time.perf_counter() - t0
