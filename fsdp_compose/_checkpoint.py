@@ -99,19 +99,24 @@ def _empty_as_none(r: tuple[int, int]) -> tuple[int, int] | None:
     return r if r[1] > r[0] else None
 
 
-def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list) -> torch.Tensor:
+def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's rows ``dst_rows[me]`` of entry ``e``, from every rank's rows
     ``src_rows[r]`` (``src`` is this rank's): one all-to-all over the shard
     group. Both lists partition the rows in rank order (ours: the flat buffer
     is the ranks' chunks end to end; ``Shard(0)``: torch.chunk's split), so each
     rank's outgoing and incoming segments are contiguous and in rank order: no
     copy on either side. Where both are the same partition (a function of the
-    layout, the same answer on every rank), no collective."""
+    layout, the same answer on every rank), no collective. ``out``: a
+    contiguous tensor to write the rows into (else a new one)."""
     me, inner = g.rank, math.prod(e.shape[1:])
     lo, hi = dst_rows[me]
+    shape = (hi - lo,) + tuple(e.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=src.dtype, device=src.device)
     if all(_empty_as_none(a) == _empty_as_none(b) for a, b in zip(src_rows, dst_rows)):
-        return src.reshape((hi - lo,) + tuple(e.shape[1:])).clone()
-    out = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=src.dtype, device=src.device)
+        out.view(shape).copy_(src.reshape(shape))
+        return out
     _collectives.all_to_all(out.view(-1), src.detach().reshape(-1).contiguous(),
                             [_overlap(src_rows[r], dst_rows[me]) * inner for r in range(g.world)],
                             [_overlap(src_rows[me], dst_rows[r]) * inner for r in range(g.world)],
@@ -240,8 +245,11 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
             return load_into(e.shape, e.local_range, value.to_local(), dst)
         if (e.tp is None and e.shape and value.device_mesh == g.mesh
                 and tuple(value.placements) == _placements(g)):
-            rows = redistribute(g, e, value.to_local(), _chunks(g, e), rank_rows(g, e))
-            dst.copy_(rows.reshape(-1))
+            local = value.to_local()
+            if local.dtype == dst.dtype and local.device == dst.device and dst.is_contiguous():
+                redistribute(g, e, local, _chunks(g, e), rank_rows(g, e), out=dst)
+            else:
+                dst.copy_(redistribute(g, e, local, _chunks(g, e), rank_rows(g, e)).reshape(-1))
             return None
         value = value.full_tensor()
     tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
