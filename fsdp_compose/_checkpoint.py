@@ -521,16 +521,32 @@ def optim_state_from_dtensors(optim, osd: dict) -> dict:
     """``osd`` with every DTensor (or full-shape tensor) of a sharded
     parameter's state replaced by this rank's rows; a collective where values
     are sharded DTensors (every rank, same order: by parameter index). A rank
-    that holds none of a parameter keeps no state for it, as in training."""
+    that holds none of a parameter keeps no state for it, as in training.
+    Values are converted into the optimizer's own tensors where they fit, so
+    only a state dict whose param groups match the optimizer's (what
+    ``Optimizer.load_state_dict`` checks after this hook) is converted: any
+    other is left for torch to refuse, with nothing changed."""
+    saved = osd.get("param_groups", [])
+    if [len(gr["params"]) for gr in saved] != [len(gr["params"]) for gr in optim.param_groups]:
+        return osd
     state = dict(osd.get("state", {}))
-    for pid, p in _keyed_params(optim, osd):
-        if pid not in state:
+    keyed = [(pid, p, SHARDED.get(p)) for pid, p in _keyed_params(optim, osd) if pid in state]
+    for pid, p, hit in keyed:  # every shape first: nothing is written if one is wrong
+        if hit is None:
             continue
-        hit = SHARDED.get(p)
+        e = hit[1]
+        gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+        for k, v in state[pid].items():
+            if isinstance(v, DTensor) and tuple(v.shape) != gshape:
+                raise ValueError(_msg(f"{e.fqn}' optimizer state '{k}", f"the checkpoint's "
+                                      f"tensor has shape {tuple(v.shape)}, the model's is "
+                                      f"{gshape}."))
+    for pid, p, hit in keyed:
         if hit is None:
             continue
         g, e = hit
-        new = {k: _local_state(e.fqn, k, v, p, hit) for k, v in state[pid].items()}
+        live = optim.state.get(p, {})  # converted into where they can go (no second copy)
+        new = {k: _local_state(e.fqn, k, v, p, hit, live.get(k)) for k, v in state[pid].items()}
         if e.held_elsewhere():
             del state[pid]
         else:
@@ -802,9 +818,12 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
     return {"state": new_state, "param_groups": new_groups}
 
 
-def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
+def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit,
+                 live: Any = None) -> Any:
     """This rank's piece of optimizer state ``v`` of sharded parameter ``p``:
-    ``v`` itself unless it is a DTensor or a full tensor of the global shape."""
+    ``v`` itself unless it is a DTensor or a full tensor of the global shape,
+    then written into ``live`` (the optimizer's current tensor for it) where
+    that has the piece's shape, dtype and device, else into a new tensor."""
     if hit is None:
         return v
     g, e = hit
@@ -814,7 +833,12 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
     if not (isinstance(v, DTensor) or full):
         return v
     dtype = v.dtype
-    dst = torch.empty(p.shape, dtype=dtype, device=p.device)
+    if (isinstance(live, torch.Tensor) and not isinstance(live, DTensor)
+            and live.shape == p.shape and live.dtype == dtype and live.device == p.device
+            and live.is_contiguous()):
+        dst = live
+    else:
+        dst = torch.empty(p.shape, dtype=dtype, device=p.device)
     err = _load_entry(g, e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))
