@@ -41,6 +41,7 @@ empty.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -471,7 +472,6 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
     default group). Values already DTensors are left alone; the live state is
     never modified (its dicts are replaced, not written)."""
     keyed = _keyed_params(optim, osd)
-    params = dict(keyed)
     mine: dict = {}
     for pid, p in keyed:
         hit = SHARDED.get(p)
@@ -566,16 +566,12 @@ def _keyed_params(optim, osd: dict) -> list:
     return list(zip(keys, params))
 
 
-_ATTACHED: "weakref.WeakSet" = None  # optimizers whose state dicts we convert
+_ATTACHED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # hooks attached
 
 
 def attach_optimizer(optim) -> None:
     """Give ``optim`` the state-dict hooks of [Note: state dicts in FSDP2's
     form] (once), and convert state loaded before its first step."""
-    global _ATTACHED
-    import weakref
-    if _ATTACHED is None:
-        _ATTACHED = weakref.WeakSet()
     if optim in _ATTACHED:
         return
     _ATTACHED.add(optim)

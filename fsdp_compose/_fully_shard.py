@@ -20,7 +20,7 @@ from ._checkpoint import register_hooks as register_state_dict_hooks
 from ._common import default_device, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
 from ._flat_group import FlatGroup, PostForward
-from ._fsdp_module import FSDPModule, add_forward_hooks, make_fsdp_module
+from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
 from ._layout import GRANULARITIES
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
 from ._state import assign_fqns, lazy_init_root
@@ -60,7 +60,7 @@ def _describe(modules: list[nn.Module]) -> str:
     names = []
     for m in modules:
         u = unit_of(m)
-        cls = type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)
+        cls = original_class(m)
         names.append(u.fqn if u is not None and u.fqn else cls.__name__)
     return ", ".join(names)
 
@@ -70,7 +70,7 @@ def _name_unit(unit: Unit) -> str:
     parent was sharded already, else fully_shard(<its modules' classes>)."""
     if unit.fqn:
         return f"'{unit.fqn}'"
-    classes = ", ".join((type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)).__name__
+    classes = ", ".join((original_class(m)).__name__
                         for m in unit.modules)
     return f"the one made by fully_shard({classes})" if len(unit.modules) == 1 \
         else f"the one made by fully_shard([{classes}])"
