@@ -65,12 +65,12 @@ class FSDPModule(_TorchFSDPModule):
         see [Note: casts after fully_shard]."""
         global _APPLYING
         if _APPLYING:  # inside an outer module's _apply, which adopts the result
-            return super()._apply(fn, recurse)
+            return super(_TorchFSDPModule, self)._apply(fn, recurse)  # (not torch's FSDP2 one)
         units = self._units(recurse)
         _before_apply(units)
         _APPLYING = True
         try:
-            out = super()._apply(fn, recurse)
+            out = super(_TorchFSDPModule, self)._apply(fn, recurse)
         except BaseException:
             _register_sharded(units)
             raise
