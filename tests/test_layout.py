@@ -19,12 +19,23 @@ from fsdp_compose._layout import Layout, Piece, Slot, plan
 
 def _check(layout: Layout, align: int) -> None:
     slots, W, S = layout.slots, layout.world, layout.chunk
-    assert S % align == 0 and S > 0
+    bounds = layout.bounds
+    assert len(bounds) == W + 1 and bounds[0] == 0 and bounds[-1] <= layout.numel
+    assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
+    # every shard starts aligned (a rank holding nothing at the end may sit at the end)
+    assert all(b % align == 0 or b == bounds[-1] for b in bounds), bounds
+    if layout.even:
+        assert S % align == 0 and S > 0
+        assert bounds == tuple(r * S for r in range(W + 1)) and layout.numel == W * S
+    else:
+        assert layout.granularity == "row"
+        assert layout.numel % (W * align) == 0 and layout.numel - bounds[-1] < W * align
+        assert S == max(layout.shard_numel(r) for r in range(W))
     spans = []
     for i, s in enumerate(slots):
         off = layout.offsets[i]
         assert off % align == 0, (i, off)
-        assert 0 <= off and off + s.numel <= W * S, (i, off, s, W, S)
+        assert 0 <= off and off + s.numel <= bounds[-1], (i, off, s, bounds[-1])
         if s.numel:
             spans.append((off, off + s.numel))
         got = [layout.rows_on(i, r) for r in range(W)]
@@ -36,6 +47,7 @@ def _check(layout: Layout, align: int) -> None:
             assert a == at, (i, got)
             at = b
         assert at == (s.rows if s.numel else 0), (i, got, s)
+        assert layout.ranks_of(i) == [(r, a, b) for r, (a, b) in enumerate(got) if b > a]
     spans.sort()
     for (_, e0), (s1, _) in zip(spans, spans[1:]):
         assert e0 <= s1, spans
@@ -48,19 +60,27 @@ def _check(layout: Layout, align: int) -> None:
             s = slots[p.entry]
             assert p.offset % align == 0 and p.offset >= end, (r, p)
             end = p.offset + (p.rows[1] - p.rows[0]) * s.row_numel
-            assert end <= S, (r, p, S)
+            assert end <= layout.shard_numel(r), (r, p, layout.shard_numel(r))
             # the piece sits where the flat has those rows: zero-copy
-            assert r * S + p.offset == layout.offsets[p.entry] + p.rows[0] * s.row_numel
+            assert bounds[r] + p.offset == layout.offsets[p.entry] + p.rows[0] * s.row_numel
     assert sum(layout.rank_numel()) == sum(s.numel for s in slots)
+    sizes, view_at = layout.split_plan()
+    assert sum(sizes) == layout.numel
+    for i, s in enumerate(slots):
+        assert sizes[view_at[i]] == s.numel and sum(sizes[:view_at[i]]) == layout.offsets[i]
 
 
-def _bound(slots, W, align, granularity) -> int:
+def _bound(slots, W, align, granularity, layout=None) -> int:
     total = sum(-(-s.numel // align) * align for s in slots)
     if granularity == "tensor":  # largest-first greedy: within one parameter of the mean
         return total // W + max(-(-s.numel // align) * align for s in slots) + align
-    worst = max(math.lcm(s.row_numel, align) for s in slots)
-    step = math.lcm(align, *(s.row_numel for s in slots if s.numel > total // W))
-    return -(-total // W) + worst + step + align
+    row = max((math.lcm(s.row_numel, align) for s in slots if s.numel), default=align)
+    if layout is not None and not layout.even:
+        # each boundary within about half the spacing of allowed positions of its
+        # target: a piece exceeds the share by less than one (aligned) row
+        return -(-total // W) + row + align
+    # equal chunks only while they pad by at most total/64 or one row per rank
+    return (total + max(total // 64, W * row)) // W
 
 
 def test_rows_example():
@@ -153,7 +173,12 @@ def test_random_groups(granularity):
         align = rng.choice([1, 2, 4, 8])
         lay = plan(slots, W, align, granularity)
         _check(lay, align)
-        assert lay.chunk <= _bound(slots, W, align, granularity), (slots, W, align, lay.chunk)
+        assert lay.chunk <= _bound(slots, W, align, granularity, lay), (slots, W, align, lay)
+        if granularity == "row":  # both forms are valid layouts of any group
+            for even in (True, False):
+                forced = plan(slots, W, align, even=even)
+                _check(forced, align)
+                assert forced.even or not even
 
 
 def test_large_odd_rows_plan_quickly():
