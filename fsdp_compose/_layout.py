@@ -265,10 +265,11 @@ def _row_layout(slots: tuple[Slot, ...], world: int, align: int,
     total = sum(_ceil_to(s.numel, align) for s in slots)
     chunk = max(align, _ceil_to(-(-total // world), align))
     if limit is not None:
-        # A parameter of at least 2·limit elements holds a whole chunk of any
-        # size up to the limit, so S must be a multiple of its row: when the
-        # smallest such S is past the limit, no fill needs trying.
-        must = math.lcm(align, *(s.row_numel for s in slots if s.numel >= 2 * limit))
+        # A parameter of more than 2·limit elements crosses two boundaries
+        # (holds a whole chunk) at any chunk size up to the limit, so S must be
+        # a multiple of its row: when the smallest such S is past the limit, no
+        # fill needs trying.
+        must = math.lcm(align, *(s.row_numel for s in slots if s.numel > 2 * limit))
         if _ceil_to(chunk, must) > max(limit, align):
             return None
     tries = 0

@@ -269,6 +269,7 @@ class Step:
         self.in_flight: list[tuple[list[GroupInfo], int]] = []  # (groups, input bytes)
         self.comm = CommStats()  # the same counters comm_stats() reports
         self.gathers: dict[int, int] = {}  # group -> all-gathers of it per step
+        self.shard_all_reduces: dict[int, tuple] = {}  # group -> (it, HSDP all-reduces)
         self.events: list[tuple] = []
         self.grad_buffers: list[list[GroupInfo]] = []
         self.phase = "forward"
@@ -291,6 +292,13 @@ class Step:
 
     def _event(self, name: str, unit: UnitInfo) -> None:
         self.events.append((name, unit.fqn, self.phase, self.param_bytes(), self.grad_bytes()))
+
+    def all_reduce_bytes_of(self, rank: int) -> int:
+        """``comm.all_reduce_bytes`` (rank 0's) as ``rank`` counts them: with
+        uneven pieces, HSDP all-reduces each rank's own shard."""
+        return self.comm.all_reduce_bytes + sum(
+            n * (g.shard_of(rank) - g.shard) * g.reduce_itemsize
+            for g, n in self.shard_all_reduces.values())
 
     def peaks(self) -> dict:
         fwd = [p + g for e, _, ph, p, g in self.events if ph == "forward"]
@@ -576,6 +584,8 @@ class Step:
                 if g.replicas > 1:  # (inline flags travel in the same all-reduce)
                     inline = len(part) > 1 or g.inline_flags
                     self.comm.all_reduce_calls += 1 if inline else 2
+                    n = self.shard_all_reduces.get(id(g), (g, 0))[1]
+                    self.shard_all_reduces[id(g)] = (g, n + 1)
                     self.comm.all_reduce_bytes += (g.shard + (g.flags if inline else 0)) \
                         * g.reduce_itemsize + (0 if inline else g.flags * 4)
         self.in_flight = []

@@ -414,7 +414,8 @@ def predicted_for_rank(wp: WorldPlan, rank: int) -> dict:
     out = {k: wp.row[k] for k in FIGURES}
     rank %= len(wp.ranks.params)
     out.update(param_bytes=wp.ranks.params[rank], grad_bytes=wp.ranks.grads[rank],
-               optim_bytes=wp.ranks.optim[rank])
+               optim_bytes=wp.ranks.optim[rank],
+               all_reduce_bytes=wp.step.all_reduce_bytes_of(rank))
     return out
 
 
