@@ -139,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout:>7} {out[layout]['wall']:8.0f} {out[layout]['cpu']:8.0f} {rss:8.0f} "
               f"{r0['ag_bytes'] / 2**20:9.1f}Mi {r0['rs_bytes'] / 2**20:9.1f}Mi "
               f"{r0['padding']:8d} {sum(r0['even']):>5}/{len(r0['even'])}")
-    same = out["equal"]["losses"] == out["uneven"]["losses"]
+    a, b = out["equal"]["losses"], out["uneven"]["losses"]
+    same = a == b
+    worst = max(abs(x - y) / max(abs(x), 1e-30) for la, lb in zip(a, b) for x, y in zip(la, lb))
     print(f"uneven / equal: wall {out['uneven']['wall'] / out['equal']['wall']:.2f}x, CPU "
           f"{out['uneven']['cpu'] / out['equal']['cpu']:.2f}x; losses bit-identical across "
-          f"layouts and launches: {same}")
+          f"layouts and launches: {same} (largest relative difference {worst:.1e}; the "
+          f"first step's: {max(abs(la[0] - lb[0]) for la, lb in zip(a, b)):.1e})")
     return 0
 
 

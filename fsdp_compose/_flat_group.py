@@ -9,9 +9,11 @@ other half of ``FlatGroup``).
 [Note: tensor vocabulary]
 For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
 
-- *local shard* ``shard`` (S, ``shard_numel``; uneven pieces: this rank's own size): persistent, in the parameters' own dtype (the
-  master copy), on the compute device, or on CPU with offloading. Rank r's
-  chunk ``[r·S, (r+1)·S)`` of the padded flat buffer, laid out as in [Note:
+- *local shard* ``shard`` (S = ``shard_numel``; with uneven pieces this
+  rank's own size): persistent, in the parameters' own dtype (the master
+  copy), on the compute device, or on CPU with offloading. Rank r's chunk
+  ``[r·S, (r+1)·S)`` of the padded flat buffer (uneven pieces: its range
+  ``flat_range``), laid out as in [Note:
   shard layout] (_layout.py): each parameter's piece on this rank is a block
   of whole dim-0 rows, and the sharded ``nn.Parameter``s the optimizer holds
   are views of it shaped ``(rows_r, *shape[1:])`` (``ParamEntry.piece``): the

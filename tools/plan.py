@@ -363,8 +363,8 @@ def _table(title: str, header: list[str], rows: list[list[str]], plain: bool) ->
 def describe_settings(cfg: PlanConfig) -> str:
     model = (f"demo Llama dim {cfg.dim}, {cfg.layers} layers, vocab {cfg.vocab}"
              if cfg.model == "demo" else cfg.model)
-    layout = cfg.shard_granularity + ("" if cfg.row_layout == "auto" or cfg.shard_granularity != "row"
-                                      else f" ({cfg.row_layout} forced)")
+    forced = cfg.row_layout != "auto" and cfg.shard_granularity == "row"
+    layout = cfg.shard_granularity + (f" ({cfg.row_layout} forced)" if forced else "")
     bits = [f"mp {cfg.mp}", f"optimizer {cfg.optimizer}", f"{layout} layout",
             f"prefetch {cfg.prefetch_depth}", f"buckets {_size(cfg.bucket_bytes)}",
             f"{cfg.schedule} backward schedule"]
