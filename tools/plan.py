@@ -19,7 +19,15 @@ a 7B-shaped model takes seconds on one CPU. For each world size it prints:
   given the prefetch depth and the buckets (tools/_planner.py, [Note:
   planner schedule]);
 - all-gather / reduce-scatter (and, with ``--hsdp``, all-reduce) bytes and
-  calls per step, counted as ``fsdp_compose.comm_stats()`` counts them.
+  calls per step, counted as ``fsdp_compose.comm_stats()`` counts them;
+- vs total/N and padding: the most-loaded rank's parameter bytes against
+  the parameter bytes / N, and the padding of every unsharded flat (bytes,
+  percent of the parameters); then, where HSDP over a smaller shard group
+  would move fewer bytes (a rank's share of a unit is a row or less, so the
+  layouts pad), a warning that proposes the shard-group size
+  (``_planner.hsdp_proposal``). ``--row-layout equal`` plans the equal-chunk
+  row layout of before uneven pieces (docs/design.md, "Row-granular shards
+  at scale").
 
 ``--measure`` (world sizes <= 4) also runs 3 real training steps on gloo with
 the same settings and prints predicted against measured; it exits 1 if any
