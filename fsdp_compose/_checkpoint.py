@@ -338,8 +338,8 @@ def _gather(g, local: torch.Tensor) -> torch.Tensor:
     if g.world == 1:
         return local
     src = local if local.device == g.device else local.to(g.device)
-    out = torch.empty(g.world * g.shard_numel, dtype=src.dtype, device=g.device)
-    _collectives.all_gather(out, src, g.pg).wait()
+    out = torch.empty(g.padded_numel, dtype=src.dtype, device=g.device)
+    _collectives.all_gather(out, src, g.pg, bounds=g.gather_bounds).wait()
     return out
 
 

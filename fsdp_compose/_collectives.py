@@ -156,42 +156,80 @@ class Ready(ReduceScatterWork):
         super().__init__(None, output)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
-    """``output`` (world·S) ← every rank's ``shard`` (S), in rank order."""
+def _pieces(t: torch.Tensor, world: int, bounds: tuple | None) -> list[torch.Tensor]:
+    """Every rank's range of ``t``: equal chunks, or ``[bounds[r], bounds[r+1])``."""
+    if bounds is None:
+        return list(t.view(world, -1))
+    return [t[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _uneven_in_place(group, t: torch.Tensor) -> tuple[int, int] | None:
+    """(rank, size) when uneven pieces of ``t`` go through our own gloo
+    collectives (gloo's list collectives take equal sizes only), else None."""
+    gloo = _in_place_gloo(t, group)
+    if gloo is not None or dist.get_backend(group) != "gloo":
+        return gloo
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True,
+               bounds: tuple | None = None):
+    """``output`` (world·S) ← every rank's ``shard`` (S), in rank order.
+
+    ``bounds`` (uneven pieces, see [Note: shard layout] in _layout.py): rank r's
+    shard goes to ``output[bounds[r]:bounds[r+1]]``; on NCCL, torch's
+    ``all_gather`` with those views as its list (issued as one coalesced
+    group of broadcasts, no copy), on gloo the broadcasts below."""
     _stats.all_gather_calls += 1
     _stats.all_gather_bytes += _nbytes(output)
-    gloo = _in_place_gloo(output, group)
+    gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
-        work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
+        if bounds is not None:
+            work = dist.all_gather(_pieces(output, 0, bounds), shard, group=group,
+                                   async_op=async_op)
+        else:
+            work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
         return work if async_op else _Works([])
     rank, world = gloo
-    chunks = output.view(world, -1)
+    chunks = _pieces(output, world, bounds)
     if chunks[rank].data_ptr() != shard.data_ptr():
         chunks[rank].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=async_op)
-             for r in range(world)]
+             for r in range(world) if bounds is None or chunks[r].numel()]
     return _Works(works if async_op else [])
 
 
 def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
-                   out: torch.Tensor | None = None, async_op: bool = True) -> ReduceScatterWork:
+                   out: torch.Tensor | None = None, async_op: bool = True,
+                   bounds: tuple | None = None) -> ReduceScatterWork:
     """``op`` (mean by default) over ranks of this rank's chunk of ``flat_grad``
     (world·S); ``wait()`` gives the S-element result (in ``out`` if given). On
     gloo ``flat_grad`` is overwritten, and the result is allocated only when
-    waited (not while the collective is in flight)."""
+    waited (not while the collective is in flight). ``bounds``: uneven pieces,
+    this rank's is ``flat_grad[bounds[r]:bounds[r+1]]`` (on NCCL, torch's
+    ``reduce_scatter`` with those views as its list: one coalesced group of
+    reduces; on gloo the all-reduce below)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
-    gloo = _in_place_gloo(flat_grad, group)
+    gloo = (_in_place_gloo(flat_grad, group) if bounds is None
+            else _uneven_in_place(group, flat_grad))
     if gloo is None:
         world = dist.get_world_size(group)
+        if bounds is not None:
+            r = dist.get_rank(group)
+            if out is None:
+                out = flat_grad.new_empty(bounds[r + 1] - bounds[r])
+            work = dist.reduce_scatter(out, _pieces(flat_grad, world, bounds), op=op,
+                                       group=group, async_op=async_op)
+            return ReduceScatterWork(work if async_op else None, out)
         if out is None:
             out = flat_grad.new_empty(flat_grad.numel() // world)
         work = _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=async_op)
         return ReduceScatterWork(work if async_op else None, out)
     rank, world = gloo
     if async_op and world == 2 and _nbytes(flat_grad) <= P2P_MAX_BYTES:
-        return _exchange(flat_grad, group, op, out, rank)
-    mine = flat_grad.view(world, -1)[rank]
+        return _exchange(flat_grad, group, op, out, rank, bounds)
+    mine = _pieces(flat_grad, world, bounds)[rank]
     if out is not None:
         def finish():
             return torch.div(mine, world, out=out) if op == dist.ReduceOp.AVG else out.copy_(mine)
@@ -205,11 +243,12 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     return ReduceScatterWork(work, None, finish)
 
 
-def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int) -> ReduceScatterWork:
+def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int,
+              bounds: tuple | None = None) -> ReduceScatterWork:
     """A small reduce-scatter over 2 gloo ranks as a point-to-point exchange
     (see the Note): the peer's chunk out, ours in, one addition."""
-    chunks = flat_grad.view(2, -1)
-    res = out if out is not None else flat_grad.new_empty(chunks.shape[1])
+    chunks = _pieces(flat_grad, 2, bounds)
+    res = out if out is not None else flat_grad.new_empty(chunks[rank].numel())
     peer = 1 - rank
     works = [dist.isend(chunks[peer], group=group, group_dst=peer),
              dist.irecv(res, group=group, group_src=peer)]

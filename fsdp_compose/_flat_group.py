@@ -9,9 +9,11 @@ other half of ``FlatGroup``).
 [Note: tensor vocabulary]
 For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
 
-- *local shard* ``shard`` (S): persistent, in the parameters' own dtype (the
-  master copy), on the compute device, or on CPU with offloading. Rank r's
-  chunk ``[r·S, (r+1)·S)`` of the padded flat buffer, laid out as in [Note:
+- *local shard* ``shard`` (S = ``shard_numel``; with uneven pieces this
+  rank's own size): persistent, in the parameters' own dtype (the master
+  copy), on the compute device, or on CPU with offloading. Rank r's chunk
+  ``[r·S, (r+1)·S)`` of the padded flat buffer (uneven pieces: its range
+  ``flat_range``), laid out as in [Note:
   shard layout] (_layout.py): each parameter's piece on this rank is a block
   of whole dim-0 rows, and the sharded ``nn.Parameter``s the optimizer holds
   are views of it shaped ``(rows_r, *shape[1:])`` (``ParamEntry.piece``): the
@@ -77,8 +79,11 @@ group is ``GATHERED`` (buckets, and keeping passive units' hooks, are for
 that case only).
 
 Layout (_layout.py): every parameter is contiguous in the unsharded flat and
-starts at a multiple of ``ALIGN_BYTES`` (gap elements are padding); rank
-chunks are equal (``S``), so every rank's shard starts aligned too.
+starts at a multiple of ``ALIGN_BYTES`` (gap elements are padding); rank r's
+shard is the range ``layout.rank_range(r)`` of it (``flat_range`` here),
+starting aligned: equal chunks (``S``), or, where those would pad too much,
+uneven pieces (``gather_bounds``: the collectives are then uneven, and the
+group is never bucketed).
 """
 from __future__ import annotations
 
@@ -125,7 +130,10 @@ class FlatGroup(GradientPath):
                  reduce_dtype: torch.dtype | None = None,
                  offload: bool = False, pin_memory: bool = True,
                  replicate_pg=None, post_forward: PostForward | None = None,
-                 granularity: str = "row", mesh=None):
+                 granularity: str = "row", mesh=None, loads: list | None = None):
+        # loads: bytes each rank of the group holds in earlier groups over the
+        # same ranks, updated here (uneven layouts even the sums out, see
+        # [Note: shard layout]); None: this group alone
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
         # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
@@ -150,12 +158,21 @@ class FlatGroup(GradientPath):
         itemsize = min(first.element_size(), self.compute_dtype.itemsize)
         align = _layout.align_elems(itemsize)
         locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _, _ in params]
+        held = first.element_size()  # (loads are the bytes of the shards)
         self.layout = layout = _layout.plan(
             [_layout.Slot(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
-             for t in locals_], world, align, granularity)
+             for t in locals_], world, align, granularity,
+            before=None if loads is None else [b // held for b in loads],
+            even=_layout.FORCE_EVEN)
+        if loads is not None:
+            for r in range(world):
+                loads[r] += layout.shard_numel(r) * held
         self.granularity = granularity
         self.padded_numel = layout.numel
-        self.shard_numel = layout.chunk
+        self.shard_numel = layout.shard_numel(rank)
+        # this rank's range of the flat; every rank's (uneven pieces) or None (equal chunks)
+        self.flat_range = layout.rank_range(rank)
+        self.gather_bounds = None if layout.even else layout.bounds
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
         self._split_sizes, self._view_at = layout.split_plan()
         self.mode: FlatMode = self._decide_mode()  # see [Note: world size 1]
@@ -396,22 +413,24 @@ class FlatGroup(GradientPath):
         self._alloc_flat()
         src = self.shard
         if self._copies_in:  # cast / host-to-device in one pass, into our own chunk
-            S = self.shard_numel
-            src = self.flat_data[self.rank * S:(self.rank + 1) * S]
+            src = self.flat_data[slice(*self.flat_range)]
             streams.copy_in(src, self.shard, from_host=self.offload)
         if self.mode is FlatMode.COPIED:  # (the copy is the whole flat)
             self.state = ShardedState.UNSHARDED
             return
-        self._pending = streams.all_gather(self.flat_data, src, self.pg, (self.unit_fqn, _GATHER))
+        self._pending = streams.all_gather(self.flat_data, src, self.pg, (self.unit_fqn, _GATHER),
+                                           bounds=self.gather_bounds)
         self.state = ShardedState.UNSHARDING
 
     def gather_key(self) -> tuple | None:
         """Groups with equal keys can share one all-gather (see gather_bucket);
-        None: this group is not gathered by a plain all-gather right now."""
+        None: this group is not gathered by a plain all-gather right now. A
+        group of uneven pieces shares with none (its key is its own)."""
         if self.state is not ShardedState.SHARDED or self.mode is not FlatMode.GATHERED \
                 or self.device.type == "meta":
             return None
-        return (self.compute_dtype, self.pg, self.world, self.device)
+        return (self.compute_dtype, self.pg, self.world, self.device,
+                None if self.gather_bounds is None else id(self))
 
     def _complete_gather(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""

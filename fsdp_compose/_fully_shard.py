@@ -141,6 +141,22 @@ def _reduce_scatter_group(pg):
     return _RS_GROUPS[key]
 
 
+_LOADS: dict = {}
+
+
+def _rank_loads(pg) -> list[int] | None:
+    """The bytes of shards each rank of ``pg`` holds from the groups built over
+    the same ranks so far in this process, updated by each new group: uneven
+    row layouts place their boundaries to even out these sums (see [Note:
+    shard layout] in _layout.py). Every member builds the same groups in the
+    same order (the collectives require it), so every member sees the same
+    loads. None at world size 1."""
+    if dist.get_world_size(pg) == 1:
+        return None
+    key = (tuple(dist.get_process_group_ranks(pg)), dist.get_backend(pg))
+    return _LOADS.setdefault(key, [0] * dist.get_world_size(pg))
+
+
 def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
                   offload, post_forward_size: int | None, granularity: str) -> list[FlatGroup]:
     by_key: dict[tuple, list] = {}
@@ -153,12 +169,13 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
     rs_pg = _reduce_scatter_group(pg)
     post_forward = _post_forward_group(pg, post_forward_size) if post_forward_size else None
     mp = mp_policy or MixedPrecisionPolicy()
+    loads = _rank_loads(pg)
     return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg,
                       param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                       offload=offload is not None,
                       pin_memory=bool(offload is not None and offload.pin_memory),
                       replicate_pg=replicate_pg, post_forward=post_forward,
-                      granularity=granularity, mesh=mesh)
+                      granularity=granularity, mesh=mesh, loads=loads)
             for items in by_key.values()]
 
 

@@ -13,7 +13,7 @@ the storage half: shard, flat, views, gather and free). It is a mixin: it
 owns the attributes ``_init_grad_state`` sets (``on_grads_computed`` is set
 by the unit, ``requires_all_reduce`` by ``FSDPModule``), and reads the
 group's layout and storage (``entries``, ``flat``, ``shard_numel``,
-``padded_numel``, ``world``, ``replicas``, ``device``, ``dtype``,
+``padded_numel``, ``gather_bounds``, ``world``, ``replicas``, ``device``, ``dtype``,
 ``compute_dtype``, ``reduce_dtype``, ``rs_pg``, ``replicate_pg``,
 ``offload``, ``pin_memory``, ``unit_fqn``, ``_trains``, ``_view_at``), which
 it writes only through ``flat.grad``.
@@ -289,7 +289,8 @@ class GradientPath:
 
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
-        inline = self.padded_numel * self.reduce_dtype.itemsize <= _inline_flags_bytes
+        inline = (self.padded_numel * self.reduce_dtype.itemsize <= _inline_flags_bytes
+                  and self.gather_bounds is None)  # (uneven pieces: flags on their own)
         if self.world > 1 and inline:
             return _launch_inline([self], streams)[0]
         taken = self.take_grad()
@@ -311,13 +312,14 @@ class GradientPath:
                              post)
         launch.pending = streams.reduce_scatter(taken.flat_grad, self.rs_pg, taken.op,
                                                 _fold_all([launch]), self.replicate_pg is not None,
-                                                (self.unit_fqn, _REDUCE))
+                                                (self.unit_fqn, _REDUCE), bounds=self.gather_bounds)
         return launch
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
         return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas,
-                self.divide_factor, self.force_sum)
+                self.divide_factor, self.force_sum,
+                None if self.gather_bounds is None else id(self))  # (uneven: never merged)
 
     def flags_row(self, used: list[bool]) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied

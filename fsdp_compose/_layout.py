@@ -1,43 +1,64 @@
 """Where each parameter's rows live: the layout of one flat group. Pure arithmetic.
 
 [Note: shard layout]
-A flat group of ``W`` ranks is one unsharded buffer of ``W·S`` elements made
-of ``W`` equal *chunks*: rank r keeps chunk ``[r·S, (r+1)·S)`` as its local
-shard. So the all-gather is ONE equal-size collective (all-gather input = the
-shard, output = the unsharded flat), and so is the reduce-scatter.
+A flat group of ``W`` ranks is one unsharded buffer (the *flat*) in which rank
+r keeps the contiguous range ``[bounds[r], bounds[r+1])`` as its local shard.
+The all-gather's input is the shard and its output is the flat (every rank's
+range in place), and the reduce-scatter the reverse: zero-copy both ways.
 
-Every parameter is *contiguous* in the unsharded flat (starting at
-``offsets[i]``, a multiple of the alignment): its full-shape view is a plain
-view, zero-copy, whatever ranks it spans. What makes that possible is where
-the chunk boundaries fall inside it:
+Every parameter is *contiguous* in the flat (starting at ``offsets[i]``, a
+multiple of the alignment): its full-shape view is a plain view, whatever
+ranks it spans. What makes that possible is where the rank boundaries fall
+inside it:
 
 - *row granularity* (the default): a boundary inside a parameter falls
   between two of its dim-0 rows, so each rank's piece is a block of whole
-  rows, shape ``(rows_r, *shape[1:])`` (0 rows allowed). Parameters are laid
-  out in order, each at the next aligned position; one that would cross the
-  end of a chunk at a place that is not a row boundary is first moved forward
-  by less than ``lcm(row, alignment)`` elements (padding) to a position from
-  which the boundary is a row boundary. A parameter that crosses two
-  boundaries or more holds a whole chunk, which must then be whole rows: the
-  chunk size is a multiple of its row size. ``S`` is the smallest multiple of
-  the alignment, from ``total / W`` up, with which this fill is valid and fits
-  in ``W`` chunks: every rank but the last holds about ``S`` elements, the
-  last the rest (the most any rank holds, which sets the collectives' size
-  and the optimizer's time, is ``total / W`` plus the alignment and the
-  row-boundary moves, plus, when a parameter spans several chunks, up to its
-  row size).
-- *tensor granularity* (opt-in): each parameter lies whole in one chunk; the
-  parameters are assigned largest first to the rank that holds the fewest
-  elements so far (ties: the lower rank), deterministic, and laid out in their
-  own order inside each chunk; ``S`` is the largest rank's load. Other ranks'
-  pieces are empty.
+  rows, shape ``(rows_r, *shape[1:])`` (0 rows allowed). Two forms, chosen per
+  group by ``plan``:
+
+  * *equal chunks* (``Layout.even``): ``bounds[r] = r·S``, so the collectives
+    are the equal-size ones (one ``all_gather_into_tensor`` on NCCL).
+    Parameters are laid out in order, each at the next aligned position; one
+    that would cross the end of a chunk at a place that is not a row boundary
+    is first moved forward by less than ``lcm(row, alignment)`` elements
+    (padding) to a position from which the boundary is a row boundary. A
+    parameter that crosses two boundaries or more holds a whole chunk, which
+    must then be whole rows: the chunk size is a multiple of its row size.
+    ``S`` is the smallest multiple of the alignment, from ``total / W`` up,
+    with which this fill is valid and fits in ``W`` chunks. When parameters
+    of different row sizes each span several chunks (a transformer block over
+    hundreds of ranks), ``S`` must be a multiple of the lcm of their rows:
+    padding without bound (3.6x the even share for a Llama-7B block at 1024
+    ranks).
+  * *uneven pieces*: the parameters end to end (aligned), no padding but the
+    alignment, and each boundary at the allowed position (a row boundary at
+    an aligned offset) nearest its target, so a rank's piece differs from its
+    share by less than about one row. The targets carry the ranks' loads from
+    earlier groups (``before``): boundary r aims at ``r·(Σbefore + T)/W``
+    minus what ranks ``< r`` hold already, so over a model the *sum* of a
+    rank's pieces stays within about one row of ``total / W`` however many
+    groups it has (identical blocks would otherwise put their extra rows on
+    the same ranks). The collectives are uneven (W broadcasts / reduces,
+    _collectives.py). ``numel`` is rounded up to ``W·align`` (the flat's
+    tail, never gathered) so that ``reshard_after_forward=N`` can split it
+    in N equal parts.
+
+  ``plan`` takes equal chunks when they pad by at most ``total/64`` or one
+  row (the group's longest, aligned) per rank, uneven pieces otherwise
+  (docs/design.md, "Row-granular shards at scale").
+- *tensor granularity* (opt-in): each parameter lies whole in one chunk
+  (equal chunks); the parameters are assigned largest first to the rank that
+  holds the fewest elements so far (ties: the lower rank), deterministic, and
+  laid out in their own order inside each chunk; ``S`` is the largest rank's
+  load. Other ranks' pieces are empty.
 
 A 0-d parameter is one row of one element; a 1-d parameter's rows are its
-elements. The alignment is applied to every piece's start, so every rank's
-pieces start aligned in its shard.
+elements. Every piece starts at a multiple of the alignment in its rank's
+shard.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -45,6 +66,11 @@ from typing import Sequence
 
 GRANULARITIES = ("row", "tensor")
 ALIGN_BYTES = 16  # every piece starts at a multiple of this many bytes
+EVEN_PADDING = 64  # equal chunks while they pad by at most total / 64, or one row per rank
+# Row layouts of groups built from now on: None, ``plan`` chooses; True / False
+# force equal chunks / uneven pieces (tests and measurements only; read by
+# FlatGroup, not by ``plan``, which stays a function of its arguments).
+FORCE_EVEN: bool | None = None
 
 
 def align_elems(itemsize: int) -> int:
@@ -70,52 +96,80 @@ class Piece:
 
     entry: int                # index of the parameter in the group
     rows: tuple[int, int]     # [start, end) of its dim-0 rows
-    offset: int               # where they start in the rank's chunk (its shard)
+    offset: int               # where they start in the rank's shard
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The result: the chunk size and where every parameter starts in the flat."""
+    """The result: every rank's range of the flat and where every parameter starts in it."""
 
     granularity: str
     world: int
-    chunk: int                      # S: elements per rank (shard size)
+    chunk: int                      # equal chunks: S; uneven pieces: the largest piece
     offsets: tuple[int, ...]        # each parameter's start in the unsharded flat
     slots: tuple[Slot, ...]
+    bounds: tuple[int, ...]         # W + 1: rank r holds [bounds[r], bounds[r+1]) of the flat
+    numel: int                      # elements of the unsharded flat (W·S with equal chunks)
 
     @property
-    def numel(self) -> int:
-        """Elements of the unsharded flat (``W·S``)."""
-        return self.world * self.chunk
+    def even(self) -> bool:
+        """Equal chunks: ``bounds[r] == r·chunk`` and ``numel == W·chunk`` (one
+        equal-size collective); else uneven pieces (see [Note: shard layout])."""
+        return self.numel == self.world * self.chunk and self.bounds[-1] == self.numel
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """``rank``'s shard as a range of the unsharded flat."""
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    def shard_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s shard (its range, alignment gaps included)."""
+        return self.bounds[rank + 1] - self.bounds[rank]
+
+    @property
+    def padding(self) -> int:
+        """Elements of the unsharded flat that are not parameters."""
+        return self.numel - sum(s.numel for s in self.slots)
 
     def rows_on(self, entry: int, rank: int) -> tuple[int, int]:
         """The rows of parameter ``entry`` that ``rank`` holds; ``(0, 0)`` if none."""
         s, off = self.slots[entry], self.offsets[entry]
-        lo, hi = max(off, rank * self.chunk), min(off + s.numel, (rank + 1) * self.chunk)
+        lo, hi = max(off, self.bounds[rank]), min(off + s.numel, self.bounds[rank + 1])
         if lo >= hi:
             return (0, 0)
         return ((lo - off) // s.row_numel, (hi - off) // s.row_numel)
 
+    def ranks_of(self, entry: int) -> list[tuple[int, int, int]]:
+        """``[(rank, first row, end row)]`` of every rank holding rows of parameter
+        ``entry``, in rank order (the same on every rank: a function of the layout)."""
+        s, off = self.slots[entry], self.offsets[entry]
+        out, at, end = [], off, off + s.numel
+        while at < end:
+            r = bisect.bisect_right(self.bounds, at) - 1  # (skips ranks holding nothing)
+            stop = min(end, self.bounds[r + 1])
+            out.append((r, (at - off) // s.row_numel, (stop - off) // s.row_numel))
+            at = stop
+        return out
+
+    @functools.cached_property
+    def _order(self) -> tuple[int, ...]:
+        return tuple(sorted(range(len(self.slots)), key=self.offsets.__getitem__))
+
     def pieces(self, rank: int) -> list[Piece]:
-        """``rank``'s non-empty pieces, in the order they lie in its chunk."""
+        """``rank``'s non-empty pieces, in the order they lie in its shard."""
         out = []
-        for i in sorted(range(len(self.slots)), key=self.offsets.__getitem__):
+        for i in self._order:
             a, b = self.rows_on(i, rank)
             if b > a:
                 start = self.offsets[i] + a * self.slots[i].row_numel
-                out.append(Piece(i, (a, b), start - rank * self.chunk))
+                out.append(Piece(i, (a, b), start - self.bounds[rank]))
         return out
 
     @functools.cached_property
     def _rank_numel(self) -> tuple[int, ...]:
         held = [0] * self.world
-        for s, off in zip(self.slots, self.offsets):
-            at, end = off, off + s.numel
-            while at < end:  # the chunks it lies in
-                r = at // self.chunk
-                stop = min(end, (r + 1) * self.chunk)
-                held[r] += stop - at
-                at = stop
+        for i, s in enumerate(self.slots):
+            for r, a, b in self.ranks_of(i):
+                held[r] += (b - a) * s.row_numel
         return tuple(held)
 
     def rank_numel(self) -> tuple[int, ...]:
@@ -127,7 +181,7 @@ class Layout:
         padding between them: (split sizes, index of each parameter's piece). One
         split, one view per parameter (see ``FlatGroup.refresh_views``)."""
         sizes, view_at, at = [], [0] * len(self.slots), 0
-        for i in sorted(range(len(self.slots)), key=self.offsets.__getitem__):
+        for i in self._order:
             if self.offsets[i] > at:
                 sizes.append(self.offsets[i] - at)  # padding
             view_at[i] = len(sizes)
@@ -142,17 +196,41 @@ def _ceil_to(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
-def plan(slots: Sequence[Slot], world: int, align: int, granularity: str = "row") -> Layout:
+def plan(slots: Sequence[Slot], world: int, align: int, granularity: str = "row",
+         before: Sequence[int] | None = None, even: bool | None = None) -> Layout:
     """The layout of a group of ``slots`` over ``world`` ranks, every piece
-    starting at a multiple of ``align`` elements (see [Note: shard layout])."""
+    starting at a multiple of ``align`` elements (see [Note: shard layout]).
+
+    ``before``: the elements each rank already holds in earlier groups over the
+    same ranks (in this group's element size); uneven row pieces even out the
+    sums (None: nothing). ``even``: row granularity only, force equal chunks
+    (True) or uneven pieces (False) instead of choosing (None); for tests and
+    measurements.
+    """
     slots = tuple(slots)
-    if granularity == "row":
-        chunk, offsets = _row_layout(slots, world, align)
-    elif granularity == "tensor":
+    if granularity == "tensor":
         chunk, offsets = _tensor_layout(slots, world, align)
-    else:
+        return _even(granularity, world, chunk, offsets, slots)
+    if granularity != "row":
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    return Layout(granularity, world, chunk, tuple(offsets), slots)
+    if before is not None and len(before) != world:
+        raise ValueError(f"before has {len(before)} loads for {world} ranks")
+    total = sum(_ceil_to(s.numel, align) for s in slots)
+    if world == 1:
+        even = True  # (one rank holds everything either way)
+    if even is not False:
+        # equal chunks only up to the padding they may add (all of it when forced)
+        row = max((math.lcm(s.row_numel, align) for s in slots if s.numel), default=align)
+        limit = None if even else (total + max(total // EVEN_PADDING, world * row)) // world
+        found = _row_layout(slots, world, align, limit)
+        if found is not None:
+            return _even(granularity, world, *found, slots)
+    return _uneven(slots, world, align, before)
+
+
+def _even(granularity, world, chunk, offsets, slots) -> Layout:
+    return Layout(granularity, world, chunk, tuple(offsets), slots,
+                  tuple(r * chunk for r in range(world + 1)), world * chunk)
 
 
 def _fill(slots: tuple[Slot, ...], align: int, chunk: int) -> tuple[list[int], int, int]:
@@ -181,11 +259,21 @@ def _fill(slots: tuple[Slot, ...], align: int, chunk: int) -> tuple[list[int], i
 _LINEAR_TRIES = 256
 
 
-def _row_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:
+def _row_layout(slots: tuple[Slot, ...], world: int, align: int,
+                limit: int | None = None) -> tuple[int, list[int]] | None:
+    """Equal chunks: (S, offsets), or None if S would exceed ``limit``."""
     total = sum(_ceil_to(s.numel, align) for s in slots)
     chunk = max(align, _ceil_to(-(-total // world), align))
+    if limit is not None:
+        # A parameter of more than 2·limit elements crosses two boundaries
+        # (holds a whole chunk) at any chunk size up to the limit, so S must be
+        # a multiple of its row: when the smallest such S is past the limit, no
+        # fill needs trying.
+        must = math.lcm(align, *(s.row_numel for s in slots if s.numel > 2 * limit))
+        if _ceil_to(chunk, must) > max(limit, align):
+            return None
     tries = 0
-    while True:
+    while limit is None or chunk <= max(limit, align):
         offsets, end, need = _fill(slots, align, chunk)
         tries += 1
         # The next candidate: the next multiple of the alignment (a multiple of
@@ -201,6 +289,49 @@ def _row_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, l
             chunk = max(chunk + align, _ceil_to(-(-end // world), align))
         else:
             return chunk, offsets
+    return None
+
+
+def _uneven(slots: tuple[Slot, ...], world: int, align: int,
+            before: Sequence[int] | None) -> Layout:
+    """Uneven pieces (see [Note: shard layout]): parameters end to end, each
+    boundary at the allowed position nearest its target."""
+    offsets, starts, steps, ends, pos = [], [], [], [], 0
+    for s in slots:
+        pos = _ceil_to(pos, align)
+        offsets.append(pos)
+        if s.numel:
+            starts.append(pos)
+            ends.append(pos + s.numel)
+            steps.append(math.lcm(s.row_numel, align))  # rows at aligned offsets
+        pos += s.numel
+    end = pos
+
+    # Each boundary: the allowed position nearest its target (ties: the lower).
+    # Inside a parameter, an aligned row boundary before its end; else the
+    # start of the next parameter, or the end.
+    prefix = [0]
+    for b in (before if before is not None else [0] * world):
+        prefix.append(prefix[-1] + b)
+    grand = prefix[-1] + end
+    nxt = starts[1:] + [end]
+    bounds = [0]
+    last = len(starts) - 1
+    for r in range(1, world):
+        t = min(max(r * grand // world - prefix[r], 0), end)
+        i = min(bisect.bisect_right(starts, t) - 1, last)
+        if i < 0:
+            b = 0
+        else:
+            st, k = starts[i], steps[i]
+            lo = st + min((t - st) // k, (ends[i] - st - 1) // k) * k
+            hi = lo + k if lo + k < ends[i] else nxt[i]
+            b = lo if t - lo <= hi - t else hi
+        bounds.append(b if b > bounds[-1] else bounds[-1])
+    bounds.append(end)
+    chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
+    numel = max(_ceil_to(end, world * align), world * align)
+    return Layout("row", world, chunk, tuple(offsets), slots, tuple(bounds), numel)
 
 
 def _tensor_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:

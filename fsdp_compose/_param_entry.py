@@ -78,12 +78,12 @@ class ParamEntry:
 
 def make_entries(params: list, locals_: list, layout: Layout, rank: int) -> list[ParamEntry]:
     """This rank's ParamEntry of every parameter, from the group's layout."""
-    S = layout.chunk
+    base = layout.rank_range(rank)[0]
     entries = []
     for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
         a, b = layout.rows_on(i, rank)
         k, off = layout.slots[i].row_numel, layout.offsets[i]
-        start = off + a * k - rank * S  # in the shard
+        start = off + a * k - base  # in the shard
         tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
               if isinstance(p, DTensor) else None)
         # (a DTensor that TP does not replicate is never whole here: its piece

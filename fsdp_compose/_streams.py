@@ -181,27 +181,37 @@ class StreamManager:
         return _EventWork(rt, done, result)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
-                   what: tuple | None = None) -> Pending:
+                   what: tuple | None = None, bounds: tuple | None = None) -> Pending:
+        """``bounds``: uneven pieces (see ``_collectives.all_gather``)."""
         if self._rt is None:
-            return Pending(_collectives.all_gather(output, shard, group), (output, shard), what)
+            return Pending(_collectives.all_gather(output, shard, group, bounds=bounds),
+                           (output, shard), what)
         work = self._on(self.all_gather_stream,
-                        lambda: _collectives.all_gather(output, shard, group, async_op=False))
+                        lambda: _collectives.all_gather(output, shard, group, async_op=False,
+                                                        bounds=bounds))
         return Pending(work, (output, shard), what)
 
     def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
-                       then=None, all_reduce: bool = False, what: tuple | None = None) -> Pending:
+                       then=None, all_reduce: bool = False, what: tuple | None = None,
+                       bounds: tuple | None = None) -> Pending:
         """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
         run at once on a side stream (the all-reduce stream if ``all_reduce``),
         and the Pending's ``wait()`` orders the caller after it; on gloo it is
-        ignored (the caller runs it after ``wait()``)."""
+        ignored (the caller runs it after ``wait()``). ``bounds``: uneven
+        pieces (see ``_collectives.reduce_scatter``)."""
         if self._rt is None:
-            return Pending(_collectives.reduce_scatter(flat_grad, group, op), (flat_grad,), what)
+            return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds),
+                           (flat_grad,), what)
         # the output is allocated here, on the compute stream (see the Note)
-        out = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size(group))
+        if bounds is None:
+            out = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size(group))
+        else:
+            r = dist.get_rank(group)
+            out = flat_grad.new_empty(bounds[r + 1] - bounds[r])
         self._held = []
         work = self._on(self.reduce_scatter_stream,
                         lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out,
-                                                            async_op=False),
+                                                            async_op=False, bounds=bounds),
                         None if all_reduce else then)
         if all_reduce and then is not None:
             stream = self._all_reduce_side_stream()

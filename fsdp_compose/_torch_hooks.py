@@ -247,8 +247,8 @@ def split_across_ranks(g, e) -> bool:
         return True
     if e.numel == 0:
         return False
-    S = g.shard_numel
-    return e.offset // S != (e.offset + e.numel - 1) // S
+    i = next(i for i, x in enumerate(g.entries) if x is e)
+    return len(g.layout.ranks_of(i)) > 1
 
 
 # ---------------------------------------------------------------------------

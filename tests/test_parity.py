@@ -324,6 +324,29 @@ def tensor_layout(shard):
     return f
 
 
+def uneven_pieces(shard):
+    """``shard`` with every row layout forced to uneven pieces (what a big
+    group gets over hundreds of ranks, docs/design.md "Row-granular shards at
+    scale": boundaries at the rows nearest the even share, uneven collectives,
+    never bucketed) at these small world sizes."""
+    def f(m, impl):
+        if not impl.flat:
+            return shard(m, impl)
+        from fsdp_compose import _layout
+        _layout.FORCE_EVEN = False
+        try:
+            out = shard(m, impl)
+        finally:
+            _layout.FORCE_EVEN = None
+        if dist.get_world_size() > 1:  # (the scenario would not test what it says)
+            from fsdp_compose._registry import unit_of
+            units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
+            assert not all(g.layout.even for u in units.values() for g in u.groups)
+        return out
+
+    return f
+
+
 class Twice(nn.Module):
     def __init__(self, din=6, d=16, dout=3):
         super().__init__()
@@ -512,6 +535,19 @@ SCENARIOS: Dict[str, Scenario] = {
                                                 token_data(), lm_loss),
     "tensor_mixed_dtype_unit": Scenario(MixedNet, tensor_layout(shard_mixed), sgd,
                                         regression_data(6, 2), mse_loss),
+    "uneven_pieces_mlp_nested_adamw_reshard": Scenario(MLP, uneven_pieces(shard_mlp(True)), adamw,
+                                                       regression_data(8, 4), mse_loss),
+    "uneven_pieces_mlp_clip_grad_norm_l2": Scenario(MLP, uneven_pieces(shard_mlp(False)), sgd,
+                                                    regression_data(8, 4), mse_loss,
+                                                    clip=(0.05, 2.0)),
+    "uneven_pieces_uneven_padding": Scenario(Uneven, uneven_pieces(shard_uneven), adamw,
+                                             regression_data(7, 3), mse_loss),
+    "uneven_pieces_tied_embedding_list_unit": Scenario(TiedLM, uneven_pieces(shard_tied), adamw,
+                                                       token_data(), lm_loss),
+    "uneven_pieces_mixed_dtype_unit": Scenario(MixedNet, uneven_pieces(shard_mixed), sgd,
+                                               regression_data(6, 2), mse_loss),
+    "uneven_pieces_frozen_and_half_frozen": Scenario(FrozenNet, uneven_pieces(shard_frozen),
+                                                     adamw, regression_data(6, 3), mse_loss),
     "unit_output_used_on_rank0_only_reshard": Scenario(SideNet, shard_side(True), sgd,
                                                        regression_data(6, 3), rank0_only_loss,
                                                        per_rank_ref=True),

@@ -53,8 +53,8 @@ from fsdp_compose._grad_path import INLINE_FLAGS_BYTES
 class GroupInfo:
     """One flat group, as sizes."""
 
-    numel: int               # the unsharded flat's elements (W·S)
-    shard: int               # S
+    numel: int               # the unsharded flat's elements (W·S with equal chunks)
+    shard: int               # S: rank 0's shard (every rank's with equal chunks; see shard_of)
     itemsize: int            # the shard's (the parameters' own dtype)
     compute_itemsize: int    # the unsharded flat's (param_dtype)
     reduce_itemsize: int     # the reduce-scatter's (reduce_dtype)
@@ -75,6 +75,15 @@ class GroupInfo:
     @property
     def trainable(self) -> bool:
         return self.requires_grad and not self.direct
+
+    @property
+    def even(self) -> bool:
+        """Equal chunks (else uneven pieces: gathered and reduced alone)."""
+        return self.layout.even
+
+    def shard_of(self, rank: int) -> int:
+        """Elements of ``rank``'s shard."""
+        return self.layout.shard_numel(rank)
 
     @property
     def flat_bytes(self) -> int:
@@ -98,14 +107,15 @@ class GroupInfo:
 
     @property
     def inline_flags(self) -> bool:
-        """Reduced alone, its flags ride in its reduce-scatter (small groups)."""
-        return self.reduce_bytes <= INLINE_FLAGS_BYTES
+        """Reduced alone, its flags ride in its reduce-scatter (small groups of
+        equal chunks)."""
+        return self.reduce_bytes <= INLINE_FLAGS_BYTES and self.even
 
     def gather_key(self) -> tuple:
-        return (self.compute_dtype, self.world)
+        return (self.compute_dtype, self.world, None if self.even else id(self))
 
     def bucket_key(self) -> tuple:
-        return (self.reduce_dtype, self.world, self.replicas)
+        return (self.reduce_dtype, self.world, self.replicas, None if self.even else id(self))
 
 
 @dataclass(eq=False)
@@ -157,14 +167,9 @@ def describe(root_unit, blocks: list) -> list[UnitInfo]:
 def rank_pieces(layout: _layout.Layout) -> list[list[tuple[int, int]]]:
     """For every rank, ``(entry, elements)`` of each non-empty piece it holds."""
     out: list[list[tuple[int, int]]] = [[] for _ in range(layout.world)]
-    S = layout.chunk
-    for i, (s, off) in enumerate(zip(layout.slots, layout.offsets)):
-        at, end = off, off + s.numel
-        while at < end:
-            r = at // S
-            stop = min(end, (r + 1) * S)
-            out[r].append((i, stop - at))
-            at = stop
+    for i, s in enumerate(layout.slots):
+        for r, a, b in layout.ranks_of(i):
+            out[r].append((i, (b - a) * s.row_numel))
     return out
 
 
@@ -211,7 +216,7 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
             pieces = rank_pieces(g.layout)
             holds[id(g)] = [bool(p) for p in pieces]
             for r in range(world):
-                params[r] += g.shard * g.itemsize
+                params[r] += g.shard_of(r) * g.itemsize
                 if not g.requires_grad:
                     continue
                 for i, n in pieces[r]:
@@ -229,10 +234,10 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
         inline = buf[0].world > 1 and (len(buf) > 1 or buf[0].inline_flags)
         if len(buf) == 1 or buf[0].converts_grad:  # one buffer per group
             for g in buf:
-                n = g.shard + (g.flags if inline and not g.converts_grad else 0)
-                size = n * (g.itemsize if g.converts_grad else g.reduce_itemsize)
+                flags = g.flags if inline and not g.converts_grad else 0
+                item = g.itemsize if g.converts_grad else g.reduce_itemsize
                 for r in range(world):
-                    grads[r] += size if holds[id(g)][r] else 0
+                    grads[r] += (g.shard_of(r) + flags) * item if holds[id(g)][r] else 0
             continue
         size = sum(g.shard + (g.flags if inline else 0) for g in buf) * buf[0].reduce_itemsize
         for r in range(world):
@@ -272,6 +277,8 @@ class Step:
         self.flat_grad: dict[int, int] = {}  # group -> flat gradient bytes
         self.in_flight: list[tuple[list[GroupInfo], int]] = []  # (groups, input bytes)
         self.comm = CommStats()  # the same counters comm_stats() reports
+        self.gathers: dict[int, int] = {}  # group -> all-gathers of it per step
+        self.shard_all_reduces: dict[int, tuple] = {}  # group -> (it, HSDP all-reduces)
         self.events: list[tuple] = []
         self.grad_buffers: list[list[GroupInfo]] = []
         self.phase = "forward"
@@ -295,6 +302,13 @@ class Step:
     def _event(self, name: str, unit: UnitInfo) -> None:
         self.events.append((name, unit.fqn, self.phase, self.param_bytes(), self.grad_bytes()))
 
+    def all_reduce_bytes_of(self, rank: int) -> int:
+        """``comm.all_reduce_bytes`` (rank 0's) as ``rank`` counts them: with
+        uneven pieces, HSDP all-reduces each rank's own shard."""
+        return self.comm.all_reduce_bytes + sum(
+            n * (g.shard_of(rank) - g.shard) * g.reduce_itemsize
+            for g, n in self.shard_all_reduces.values())
+
     def peaks(self) -> dict:
         fwd = [p + g for e, _, ph, p, g in self.events if ph == "forward"]
         bwd = [p + g for e, _, ph, p, g in self.events if ph == "backward"]
@@ -310,9 +324,11 @@ class Step:
             return None
         return sum(g.flat_bytes for g in u.groups)
 
-    def _count_gather(self, nbytes: int) -> None:
+    def _count_gather(self, groups: list[GroupInfo]) -> None:
         self.comm.all_gather_calls += 1
-        self.comm.all_gather_bytes += nbytes
+        self.comm.all_gather_bytes += sum(g.flat_bytes for g in groups)
+        for g in groups:
+            self.gathers[id(g)] = self.gathers.get(id(g), 0) + 1
 
     def _unshard(self, u: UnitInfo, order: list[UnitInfo] | None) -> None:
         """RootContext.gather: a bucket (_gather_bucket), else Unit.unshard."""
@@ -331,7 +347,7 @@ class Step:
                     for g in v.groups:
                         by_key.setdefault(g.gather_key(), []).append(g)
                 for groups in by_key.values():
-                    self._count_gather(sum(g.flat_bytes for g in groups))
+                    self._count_gather(groups)
                     if len(groups) >= 2:  # _flat_group.gather_bucket: flats made at use
                         self._bucket_gathered(groups)
                     for g in groups:
@@ -344,7 +360,7 @@ class Step:
             if st == _UNSHARDED:
                 continue
             if st == _PARTIAL or (not g.aliased and g.world > 1):
-                self._count_gather(g.flat_bytes)
+                self._count_gather([g])
             self.state[id(g)] = _UNSHARDED  # (the post-forward shard lives until the wait)
         if issued:
             self._event("all_gather", u)
@@ -577,6 +593,8 @@ class Step:
                 if g.replicas > 1:  # (inline flags travel in the same all-reduce)
                     inline = len(part) > 1 or g.inline_flags
                     self.comm.all_reduce_calls += 1 if inline else 2
+                    n = self.shard_all_reduces.get(id(g), (g, 0))[1]
+                    self.shard_all_reduces[id(g)] = (g, n + 1)
                     self.comm.all_reduce_bytes += (g.shard + (g.flags if inline else 0)) \
                         * g.reduce_itemsize + (0 if inline else g.flags * 4)
         self.in_flight = []
@@ -594,3 +612,66 @@ class Step:
         self.backward()
         return self
 
+
+
+# ------------------------------------------------------------ HSDP proposal
+def _step_bytes(groups: list[GroupInfo], gathers: dict, layout_of) -> int:
+    """All-gather + reduce-scatter (+ HSDP all-reduce) bytes of one step, as
+    ``comm_stats()`` counts them (used-flags left out), with each group laid
+    out by ``layout_of(g)`` -> (layout, replicas)."""
+    total = 0
+    for g in groups:
+        lay, replicas = layout_of(g)
+        if lay.world > 1:
+            total += gathers.get(id(g), 0) * lay.numel * g.compute_itemsize
+        if g.trainable:
+            if lay.world > 1:
+                total += lay.numel * g.reduce_itemsize
+            if replicas > 1:
+                total += lay.shard_numel(0) * g.reduce_itemsize
+    return total
+
+
+def hsdp_proposal(units: list[UnitInfo], step: Step, world: int,
+                  margin: float = 0.01) -> dict | None:
+    """``{"shard": n, "bytes": b}`` when HSDP over shard groups of ``n`` ranks
+    (``world / n`` replicas; ``n`` a power of two below ``world``) would move
+    fewer bytes per step than plain FSDP over ``world`` ranks, by more than
+    ``margin`` (the ``n`` that moves fewest); else None.
+
+    Counted as ``comm_stats()`` counts them (a collective's buffer: the flat
+    for all-gathers and reduce-scatters, the shard for HSDP's all-reduce), so
+    what HSDP saves is padding: the layouts pad by up to about a row per rank
+    ([Note: shard layout] in fsdp_compose/_layout.py), which is most of a
+    rank's share once that share is a row or less. Each group is laid out
+    again at ``n`` ranks by the library's own ``_layout.plan`` (groups with
+    the same parameter shapes once per size: a 4096-rank 70B plan stays in
+    seconds); the step's gathers per group are the replayed step's.
+    """
+    groups = [g for u in units for g in u.groups if g.world > 1 and not g.aliased]
+    if not groups or any(g.replicas > 1 for g in groups):
+        return None
+    fsdp = _step_bytes(groups, step.gathers, lambda g: (g.layout, 1))
+    cache: dict = {}
+
+    def at(n):
+        def layout_of(g):
+            align = _layout.align_elems(min(g.itemsize, g.compute_itemsize))
+            key = (g.layout.slots, align, g.layout.granularity, n)
+            if key not in cache:
+                cache[key] = _layout.plan(g.layout.slots, n, align, g.layout.granularity)
+            return cache[key], world // n
+        return layout_of
+
+    best = None
+    n = 2
+    while n < world:
+        if world % n == 0:
+            b = _step_bytes(groups, step.gathers, at(n))
+            if best is None or b < best["bytes"]:
+                best = {"shard": n, "bytes": b}
+        n *= 2
+    if best is None or best["bytes"] >= fsdp * (1 - margin):
+        return None
+    best["fsdp_bytes"] = fsdp
+    return best

@@ -19,7 +19,15 @@ a 7B-shaped model takes seconds on one CPU. For each world size it prints:
   given the prefetch depth and the buckets (tools/_planner.py, [Note:
   planner schedule]);
 - all-gather / reduce-scatter (and, with ``--hsdp``, all-reduce) bytes and
-  calls per step, counted as ``fsdp_compose.comm_stats()`` counts them.
+  calls per step, counted as ``fsdp_compose.comm_stats()`` counts them;
+- vs total/N and padding: the most-loaded rank's parameter bytes against
+  the parameter bytes / N, and the padding of every unsharded flat (bytes,
+  percent of the parameters); then, where HSDP over a smaller shard group
+  would move fewer bytes (a rank's share of a unit is a row or less, so the
+  layouts pad), a warning that proposes the shard-group size
+  (``_planner.hsdp_proposal``). ``--row-layout equal`` plans the equal-chunk
+  row layout of before uneven pieces (docs/design.md, "Row-granular shards
+  at scale").
 
 ``--measure`` (world sizes <= 4) also runs 3 real training steps on gloo with
 the same settings and prints predicted against measured; it exits 1 if any
@@ -56,6 +64,7 @@ class PlanConfig:
     hsdp: int = 1                       # replicas (1: plain FSDP)
     optimizer: str = "adamw"
     shard_granularity: str = "row"
+    row_layout: str = "auto"            # "auto" | "equal" | "uneven": see _layout.FORCE_EVEN
     prefetch_depth: int = 1
     bucket_bytes: int = 1 << 20         # all-gather and reduce-scatter buckets
     schedule: str = "cuda"              # the backward schedule predicted: "cuda" | "gloo"
@@ -142,8 +151,23 @@ def make_mesh(world: int, hsdp: int):
     return init_device_mesh("cpu", (world,))
 
 
+ROW_LAYOUTS = {"auto": None, "equal": True, "uneven": False}
+
+
 def shard(model, blocks: list, cfg: PlanConfig, mesh) -> None:
-    """fully_shard each block then the root, with ``cfg``'s policies and root settings."""
+    """fully_shard each block then the root, with ``cfg``'s policies and root
+    settings; ``cfg.row_layout`` other than "auto" forces every row layout to
+    equal chunks or uneven pieces (what-if plans: the equal chunks of before
+    uneven pieces existed, docs/design.md "Row-granular shards at scale")."""
+    from fsdp_compose import _layout
+    _layout.FORCE_EVEN = ROW_LAYOUTS[cfg.row_layout]
+    try:
+        _shard(model, blocks, cfg, mesh)
+    finally:
+        _layout.FORCE_EVEN = None
+
+
+def _shard(model, blocks: list, cfg: PlanConfig, mesh) -> None:
     import torch
     from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = {"mesh": mesh, "shard_granularity": cfg.shard_granularity}
@@ -223,7 +247,9 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
 
     t0 = time.perf_counter()
     _fake_group(world)
-    cached = (dict(_fully_shard._RS_GROUPS), dict(_fully_shard._PF_GROUPS))
+    caches = (_fully_shard._RS_GROUPS, _fully_shard._PF_GROUPS, _fully_shard._LOADS)
+    cached = tuple({k: list(v) if isinstance(v, list) else v for k, v in c.items()}
+                   for c in caches)
     try:
         with torch.device("meta"):
             model = build_model(cfg)
@@ -232,9 +258,10 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         shard(model, blocks, cfg, make_mesh(world, cfg.hsdp))
         units = _planner.describe(unit_of(model), [unit_of(b) for b in blocks])
     finally:  # the fake groups must not outlive the plan
-        for cache, before in zip((_fully_shard._RS_GROUPS, _fully_shard._PF_GROUPS), cached):
+        for cache, before in zip(caches, cached):
             for k in set(cache) - set(before):
                 del cache[k]
+            cache.update(before)  # (the rank loads: as before the plan)
         dist.destroy_process_group()
     step = _planner.Step(units, schedule=cfg.schedule, prefetch_depth=cfg.prefetch_depth,
                          gather_bucket_bytes=cfg.bucket_bytes,
@@ -245,6 +272,9 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
     top = max(range(n), key=lambda r: (ranks.total(r), -r))
     peaks = step.peaks()
     c = step.comm
+    groups = [g for u in units for g in u.groups]
+    param_total = sum(sum(s.numel for s in g.layout.slots) * g.itemsize for g in groups)
+    padding = sum(g.layout.padding * g.itemsize for g in groups)
     row = {
         "world_size": world,
         "shard_world_size": world // cfg.hsdp,
@@ -254,6 +284,10 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         "flat_groups": sum(len(u.groups) for u in units),
         "most_loaded_rank": top,
         "param_bytes": ranks.params[top],
+        "param_bytes_ideal": param_total / (world // cfg.hsdp),
+        "padding_bytes": padding,
+        "padding_percent": 100 * padding / max(param_total, 1),
+        "uneven_groups": sum(not g.even for g in groups),
         "grad_bytes": ranks.grads[top],
         "optim_bytes": ranks.optim[top],
         "total_bytes": ranks.total(top),
@@ -271,6 +305,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         "settings": settings_dict(cfg),
         "plan_seconds": round(time.perf_counter() - t0, 3),
     }
+    row["hsdp_proposal"] = _planner.hsdp_proposal(units, step, world) if cfg.hsdp == 1 else None
     return WorldPlan(row, ranks, step)
 
 
@@ -298,6 +333,8 @@ def _size(n: float) -> str:
 COLUMNS = [  # header, row -> text
     ("world", lambda r: str(r["world_size"])),
     ("params", lambda r: _size(r["param_bytes"])),
+    ("vs total/N", lambda r: f"{100 * (r['param_bytes'] / r['param_bytes_ideal'] - 1):+.1f}%"),
+    ("padding", lambda r: f"{_size(r['padding_bytes'])} ({r['padding_percent']:.2f}%)"),
     ("grads", lambda r: _size(r["grad_bytes"])),
     ("optim", lambda r: _size(r["optim_bytes"])),
     ("total (rank)", lambda r: f"{_size(r['total_bytes'])} (r{r['most_loaded_rank']})"),
@@ -335,7 +372,9 @@ def _table(title: str, header: list[str], rows: list[list[str]], plain: bool) ->
 def describe_settings(cfg: PlanConfig) -> str:
     model = (f"demo Llama dim {cfg.dim}, {cfg.layers} layers, vocab {cfg.vocab}"
              if cfg.model == "demo" else cfg.model)
-    bits = [f"mp {cfg.mp}", f"optimizer {cfg.optimizer}", f"{cfg.shard_granularity} layout",
+    forced = cfg.row_layout != "auto" and cfg.shard_granularity == "row"
+    layout = cfg.shard_granularity + (f" ({cfg.row_layout} forced)" if forced else "")
+    bits = [f"mp {cfg.mp}", f"optimizer {cfg.optimizer}", f"{layout} layout",
             f"prefetch {cfg.prefetch_depth}", f"buckets {_size(cfg.bucket_bytes)}",
             f"{cfg.schedule} backward schedule"]
     if cfg.offload:
@@ -353,7 +392,22 @@ def format_plan(cfg: PlanConfig, rows: list[dict], plain: bool = False) -> str:
     title = (f"{describe_settings(cfg)}\n{r0['params'] / 1e6:,.2f}M parameters in "
              f"{r0['units']} units; bytes per rank (the most-loaded rank), per step for "
              "collectives (bytes / calls)")
-    return _table(title, [h for h, _ in cols], [[f(r) for _, f in cols] for r in rows], plain)
+    text = _table(title, [h for h, _ in cols], [[f(r) for _, f in cols] for r in rows], plain)
+    notes = [hsdp_warning(r) for r in rows if r.get("hsdp_proposal")]
+    return "\n".join([text, *notes])
+
+
+def hsdp_warning(r: dict) -> str:
+    """The planner's warning for a world size whose plain FSDP moves more bytes
+    than HSDP over smaller shard groups would (see _planner.hsdp_proposal)."""
+    p, n = r["hsdp_proposal"], r["world_size"]
+    fsdp = p["fsdp_bytes"]
+    return (f"warning: at {n} ranks the per-rank share is so small that the layout's padding "
+            f"({_size(r['padding_bytes'])}, {r['padding_percent']:.1f}% of the parameters) "
+            f"outweighs it: HSDP over shard groups of {p['shard']} ranks (--hsdp "
+            f"{n // p['shard']}) would move {_size(p['bytes'])} per step instead of "
+            f"{_size(fsdp)} ({100 * (p['bytes'] / fsdp - 1):+.0f}%, all-gather + reduce-scatter "
+            f"+ all-reduce bytes, used-flags left out)")
 
 
 # ------------------------------------------------------------------ measure
@@ -369,7 +423,8 @@ def predicted_for_rank(wp: WorldPlan, rank: int) -> dict:
     out = {k: wp.row[k] for k in FIGURES}
     rank %= len(wp.ranks.params)
     out.update(param_bytes=wp.ranks.params[rank], grad_bytes=wp.ranks.grads[rank],
-               optim_bytes=wp.ranks.optim[rank])
+               optim_bytes=wp.ranks.optim[rank],
+               all_reduce_bytes=wp.step.all_reduce_bytes_of(rank))
     return out
 
 
@@ -431,6 +486,9 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    help="sgd: momentum 0.9; muon: Muon on 2-D weights, AdamW on the rest "
                         "(needs --shard-granularity tensor)")
     p.add_argument("--shard-granularity", choices=["row", "tensor"], default="row")
+    p.add_argument("--row-layout", choices=list(ROW_LAYOUTS), default="auto",
+                   help="row layouts: chosen per group (auto), or forced to equal chunks "
+                        "(the layout before uneven pieces) or to uneven pieces")
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=1 << 20,
                    help="all-gather and reduce-scatter bucket size (0: none)")
@@ -463,6 +521,7 @@ def config_from_args(args, worlds: list[int], schedule: str) -> PlanConfig:
                       units=tuple(args.units), mp=args.mp, offload=args.offload,
                       reshard_after_forward=args.reshard_after_forward, hsdp=args.hsdp,
                       optimizer=args.optimizer, shard_granularity=args.shard_granularity,
+                      row_layout=args.row_layout,
                       prefetch_depth=args.prefetch_depth, bucket_bytes=args.bucket_bytes,
                       schedule=schedule)
 
