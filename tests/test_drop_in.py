@@ -292,3 +292,49 @@ def _refuse(rank, world):
 def test_all_gather_extension_is_refused_naming_the_parameter():
     for msg in run_distributed(_refuse, 2, timeout=TIMEOUT):
         assert msg and "'weight'" in msg and "fsdp_pre_all_gather" in msg
+
+
+def _uneven_round_trip(rank, world, root):
+    """Ours with every row layout forced to uneven pieces (what groups get at
+    hundreds of ranks): a DCP save through torch's get_state_dict resumes
+    bit-exactly in ours (uneven again) and in FSDP2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from fsdp_compose import _layout
+    from fsdp_compose._registry import unit_of
+
+    def ours(seed):
+        torch.manual_seed(seed)
+        _layout.FORCE_EVEN = False
+        try:
+            m = shard_ours(Net())
+        finally:
+            _layout.FORCE_EVEN = None
+        units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
+        assert not all(g.layout.even for u in units.values() for g in u.groups)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    model, opt = ours(0)
+    train(model, opt, range(2), rank, world)
+    msd, osd = dsd.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    out = {"uninterrupted": train(model, opt, range(2, 4), rank, world)}
+    for name, make in (("ours", lambda: ours(1)),
+                       ("fsdp2", lambda: (lambda m: (m, torch.optim.AdamW(m.parameters(),
+                                                                          lr=1e-2)))(
+                           shard_fsdp2((torch.manual_seed(1), Net())[1])))):
+        m, o = make()
+        msd, osd = dsd.get_state_dict(m, o)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=root)
+        dsd.set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        out[name] = train(m, o, range(2, 4), rank, world)
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_uneven_pieces_checkpoint_round_trip(world, tmp_path):
+    for r in run_distributed(_uneven_round_trip, world, str(tmp_path / "ckpt"), timeout=TIMEOUT):
+        assert r["ours"] == r["uninterrupted"]
+        assert r["fsdp2"] == r["uninterrupted"]
