@@ -91,6 +91,13 @@ class StreamDouble:
         finally:
             self._stack.pop()
 
+    @staticmethod
+    def intended_sync(why: str):
+        return contextlib.nullcontext()
+
+    def to_device(self, t: torch.Tensor, device) -> torch.Tensor:
+        return t.to(device)
+
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
         if pin:

@@ -262,9 +262,13 @@ def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int,
     return ReduceScatterWork(_Works(works), None, finish)
 
 
-def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> None:
+def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
+               blocks_cpu: bool | None = None) -> None:
     """All-reduce ``tensor`` in place, ``async_op=False`` (norms, flags, HSDP
     gradient shards: on CUDA inside the stream manager's all-reduce stream).
+    ``blocks_cpu``: whether the wait blocks the CPU (then it is sliced, see
+    _divergence.wait); None: a CPU tensor on a group with a CPU backend
+    (gloo); the stream manager says False on its side streams.
 
     A tensor on a device the group has no backend for (a CPU partial norm of
     offloaded gradients over an NCCL group: "No backend type associated with
@@ -272,7 +276,9 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> No
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
     device = _group_device(group, tensor.device)
-    if device == tensor.device and device.type == "cpu":  # blocks the CPU: in slices
+    if blocks_cpu is None:
+        blocks_cpu = device.type == "cpu"
+    if device == tensor.device and blocks_cpu:  # in slices
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         try:
             _divergence.wait(work)
@@ -313,16 +319,36 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 
 def min_across(values: list[int], groups: list) -> list[int]:
     """The element-wise minimum of ``values`` (int64) over the ranks of
-    ``groups``, all-reduced in one after the other, read back on the host (a
-    sync on CUDA): the forward-order agreement, see [Note: forward order] in
-    _forward_walk.py. Counted as all-reduces; issued on the current stream."""
+    ``groups``, all-reduced in one after the other, read back on the host: the
+    forward-order agreement, see [Note: forward order] in _forward_walk.py.
+    Counted as all-reduces. This is the path without side streams (gloo): a
+    wait that blocks the CPU is sliced (``_divergence.wait``), so a peer that
+    stopped is noticed; on CUDA the stream manager runs ``min_in_place``."""
     t = torch.tensor(values, dtype=torch.int64)
     for group in groups:
-        _stats.all_reduce_calls += 1
-        _stats.all_reduce_bytes += _nbytes(t)
         t = t.to(_group_device(group, t.device))
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        _count_all_reduce(t)
+        if t.device.type == "cpu":
+            _divergence.wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group,
+                                             async_op=True))
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return t.tolist()
+
+
+def min_in_place(t: torch.Tensor, groups: list) -> _Works:
+    """``t`` (int64, on the groups' device) becomes its element-wise minimum
+    over ``groups``, issued ``async_op=False`` on the current stream (the
+    stream manager's side stream)."""
+    for group in groups:
+        _count_all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return _Works([])
+
+
+def _count_all_reduce(t: torch.Tensor) -> None:
+    _stats.all_reduce_calls += 1
+    _stats.all_reduce_bytes += _nbytes(t)
 
 
 def _group_device(group, device: torch.device) -> torch.device:
@@ -336,9 +362,13 @@ def _group_device(group, device: torch.device) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def all_reduce_async(tensor: torch.Tensor, op, group):
-    """In-place all-reduce, not waited (small tensors: the used-flags)."""
+def all_reduce_async(tensor: torch.Tensor, op, group, async_op: bool = True):
+    """In-place all-reduce, not waited (small tensors: the used-flags).
+    ``async_op=False``: on CUDA, issued on the current (side) stream, see
+    [Note: side streams] in _streams.py."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if not async_op:
+        return _Works([])
     return _Works([work]) if tensor.device.type == "cpu" else work

@@ -155,6 +155,8 @@ class ForwardWalk:
         self.reshard(unit, Reshard.AFTER_FORWARD, grad_follows=flag == GRAD)
         if unit is self.root:
             self.in_training_forward = False
+            if flag == NO_BACKWARD:  # CUDA offload: no end of backward will sync the copies
+                self.streams.end_eval_forward()
 
     # ---------------------------------------------------- the forward order
     def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:

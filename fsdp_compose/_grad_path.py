@@ -67,7 +67,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import _collectives
+from . import _collectives, _layout
 from ._common import label
 from ._streams import Pending, StreamManager
 
@@ -144,14 +144,15 @@ class _GradLaunch:
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     bucket: torch.Tensor | None = None   # the input, from streams.bucket (released once waited)
+    fold_bucket: object = None  # folds every launch of the shared reduce-scatter (_fold_all)
     done: bool = field(default=False)
     folded: bool = field(default=False)
 
-    def fold(self, out: torch.Tensor) -> None:
+    def fold(self, out: torch.Tensor, reduced: bool = False) -> None:
         self.folded = True
         if self.span is not None:
             out = out[self.span[0]:self.span[1]]
-        self.group._finish_reduce(out, self.used, self.post_divide, self.streams)
+        self.group._finish_reduce(out, self.used, self.post_divide, self.streams, reduced)
 
     def finish(self) -> None:
         if not self.done:
@@ -161,17 +162,42 @@ class _GradLaunch:
                 self.bucket = None
             self.done = True
             if not self.folded:
-                self.fold(out)
+                (self.fold_bucket or self.fold)(out)
             self.used.release()
 
 
 def _fold_all(launches: list[_GradLaunch]):
     """The post-reduce of a reduce-scatter shared by ``launches``: on CUDA the
     stream manager runs it at once on a side stream (see [Note: post-reduce]
-    in _streams.py); on gloo each launch folds at ``finish``."""
+    in _streams.py); on gloo the first launch to ``finish`` runs it.
+
+    With HSDP the bucket's output goes across the replicas in ONE all-reduce
+    (its gradient shards and their inline flags, end to end), not one per
+    group; a group that keeps a partial sum (``requires_all_reduce`` False)
+    is left out, the others then go one by one."""
     def fold(out: torch.Tensor) -> None:
+        first = launches[0]
+        if len(launches) == 1 or first.group.replicate_pg is None:
+            for launch in launches:
+                launch.fold(out)
+            return
         for launch in launches:
-            launch.fold(out)
+            launch.used.wait()
+        sums = [launch.group._hsdp_sum(out[launch.span[0]:launch.span[1]], launch.used,
+                                       launch.streams) for launch in launches]
+        if all(sums):
+            first.group._hsdp_all_reduce(out[:launches[-1].span[1]], first.used,
+                                         first.post_divide, first.streams)
+        for launch, summed in zip(launches, sums):
+            if summed and not all(sums):
+                lo, hi = launch.span
+                launch.group._hsdp_all_reduce(out[lo:hi], launch.used, launch.post_divide,
+                                              launch.streams)
+            if summed:
+                launch.fold(out, reduced=True)
+            launch.folded = True
+    for launch in launches:
+        launch.fold_bucket = fold
     return fold
 
 
@@ -199,22 +225,26 @@ class _UsedFlags:
             self._pending.wait()
             self._pending = None
 
+    def all_here(self, trains) -> bool:
+        """Every entry that ``trains`` got its gradient on this rank: nothing to read."""
+        return all(u or not t for u, t in zip(self.local, trains))
+
     def any_rank(self, trains) -> list[bool] | None:
         """Per entry: did any rank produce a gradient (> 0: a sum or an
-        average); None: every entry that ``trains`` did here, nothing to read."""
-        if all(u or not t for u, t in zip(self.local, trains)):
+        average); None: every entry that ``trains`` did here, nothing to read.
+        Reads ``counts`` on the host: on CUDA only at the end of backward
+        (``StreamManager.after_backward``), or from host memory (offload)."""
+        if self.all_here(trains):
             return None
         if self.counts is None:
             return self.local
         return [c > 0 for c in self.counts.tolist()]
 
 
-def _flags_tensor(flags: list[bool], device: torch.device,
+def _flags_tensor(flags: list[bool], streams: StreamManager,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    t = torch.tensor(flags, dtype=dtype)
-    if device.type == "cuda":  # no sync: from pinned memory, on the current stream
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    # on CUDA no sync: from pinned memory, on the current stream
+    return streams.to_device(torch.tensor(flags, dtype=dtype))
 
 
 class GradientPath:
@@ -297,12 +327,12 @@ class GradientPath:
         used, post = taken.used, taken.post
         if self.world == 1:  # the flat gradient is the gradient shard
             if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
-                out = torch.cat([taken.flat_grad, self.flags_row(used)])
+                out = torch.cat([taken.flat_grad, self.flags_row(used, streams)])
                 return _GradLaunch(self, streams, streams.ready(out),
                                    _UsedFlags(used, inline=True), post)
             return _GradLaunch(self, streams, streams.ready(taken.flat_grad), _UsedFlags(used),
                                post)
-        counts = _flags_tensor(used, self.device)  # see [Note: parameters without a gradient]
+        counts = _flags_tensor(used, streams)  # see [Note: parameters without a gradient]
         # The flags' all-reduce is issued first: on CUDA the post-reduce (the
         # fold, which reads them) runs as soon as the reduce-scatter is issued.
         with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
@@ -321,13 +351,23 @@ class GradientPath:
                 self.divide_factor, self.force_sum,
                 None if self.gather_bounds is None else id(self))  # (uneven: never merged)
 
-    def flags_row(self, used: list[bool]) -> torch.Tensor:
+    def flags_row(self, used: list[bool], streams: StreamManager) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied
-        (the same flags step after step: made once)."""
+        (the same flags step after step: made once), then zeros up to the
+        next multiple of 16 bytes after the gradient shard: every group's part
+        of a bucket, and every rank's chunk, starts 16-byte aligned (NCCL's
+        fast path; the gradient shards the optimizer reads)."""
         key = (tuple(used), self.device, self.reduce_dtype)  # (a model moved or cast)
         if self._flags_row is None or self._flags_row[0] != key:
-            self._flags_row = (key, _flags_tensor(used, self.device, self.reduce_dtype))
+            align = _layout.align_elems(self.reduce_dtype.itemsize)
+            pad = -(self.shard_numel + len(used)) % align
+            self._flags_row = (key, _flags_tensor(list(used) + [False] * pad, streams,
+                                                  self.reduce_dtype))
         return self._flags_row[1]
+
+    def _inline_counts(self, out: torch.Tensor) -> torch.Tensor:
+        """The flags' rank average after the gradient shard in ``out`` (not the padding)."""
+        return out[self.shard_numel:self.shard_numel + len(self.entries)]
 
     def take_grad(self) -> TakenGrad:
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
@@ -348,40 +388,29 @@ class GradientPath:
             flat_grad.div_(pre)
         return TakenGrad(flat_grad, used, pre, post)
 
-    def _split_flags(self, out: torch.Tensor, used: _UsedFlags):
+    def _split_flags(self, out: torch.Tensor, used: _UsedFlags, streams: StreamManager):
         """(gradient shard, flag sums): views into ``out`` when the flags came
         inline, else ``used.counts``."""
         if used.inline:
-            return out[:self.shard_numel], out[self.shard_numel:]
+            return out[:self.shard_numel], self._inline_counts(out)
         if used.counts is None:  # (shard world size 1: the flags are local)
-            used.counts = _flags_tensor(used.local, self.device)
+            used.counts = _flags_tensor(used.local, streams)
         return out, used.counts
 
     def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
-                       streams: StreamManager) -> None:
-        """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py)."""
+                       streams: StreamManager, reduced: bool = False) -> None:
+        """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py).
+        ``reduced``: the HSDP sum and all-reduce were done for a whole bucket
+        (``_fold_all``)."""
         used.wait()
-        if self.replicate_pg is not None:  # HSDP: then across the replicas
-            grad, counts = self._split_flags(out, used)
-            if self._partial is not None:  # (its gradient and flags are added alike)
-                p_out, p_used = self._partial
-                p_grad, p_counts = self._split_flags(p_out, p_used)
-                grad.add_(p_grad)
-                counts.add_(p_counts.to(counts.dtype))
-                used.local = [a or b for a, b in zip(used.local, p_used.local)]
-                streams.hold(p_out)
-                streams.hold(p_counts)
-                self._partial = None
-            if not self.requires_all_reduce:
-                self._partial = (out, used)  # p.grad is left alone until an all-reduced backward
-                return
-            op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-            what = (self.unit_fqn, "the all-reduce of its gradient shards across replicas")
-            _collectives.all_reduce(out, op, self.replicate_pg, what)  # (inline: the flags too)
-            if not used.inline:
-                _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg, what)
+        if used.counts is not None:  # (HSDP writes them there: kept to the end of backward)
+            streams.hold(used.counts)
+        if self.replicate_pg is not None and not reduced:  # HSDP: then across the replicas
+            if not self._hsdp_sum(out, used, streams):
+                return  # p.grad is left alone until an all-reduced backward
+            self._hsdp_all_reduce(out, used, post, streams)
         if used.inline:
-            out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
+            out, used.counts = out[:self.shard_numel], self._inline_counts(out)
         if post is not None and post != 1.0:
             out.div_(post)
         if self.offload:  # device-to-host, folded once the copy has landed
@@ -393,7 +422,43 @@ class GradientPath:
             return
         if out.dtype != self.dtype:
             out = out.to(self.dtype)
+        if used.counts is not None and not used.all_here(self._trains):
+            # which entries no rank produced: read once, at the end of backward
+            # (on CUDA a read here would block the backward thread)
+            streams.after_backward(used.counts, lambda counts: self._fold_grad(
+                out, [c > 0 for c in counts]))
+            return
         self._fold_grad(out, used.any_rank(self._trains))
+
+    def _hsdp_sum(self, out: torch.Tensor, used: _UsedFlags, streams: StreamManager) -> bool:
+        """HSDP: add a partial sum an earlier backward kept; False: keep this
+        one as the partial sum instead (``requires_all_reduce`` False)."""
+        grad, counts = self._split_flags(out, used, streams)
+        if self._partial is not None:  # (its gradient and flags are added alike)
+            p_out, p_used = self._partial
+            p_grad, p_counts = self._split_flags(p_out, p_used, streams)
+            grad.add_(p_grad)
+            counts.add_(p_counts.to(counts.dtype))
+            used.local = [a or b for a, b in zip(used.local, p_used.local)]
+            streams.hold(p_out)
+            streams.hold(p_counts)
+            self._partial = None
+        if not self.requires_all_reduce:
+            self._partial = (out, used)
+            return False
+        return True
+
+    def _hsdp_all_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
+                         streams: StreamManager) -> None:
+        """``out`` (inline: with its flags) across the replicas, and the
+        counts when they came in their own all-reduce."""
+        op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
+        what = (self.unit_fqn, "the all-reduce of its gradient shards across replicas")
+        blocks = streams.waits_block_cpu  # (on CUDA: issued on the all-reduce stream)
+        _collectives.all_reduce(out, op, self.replicate_pg, what, blocks)  # (inline: flags too)
+        if not used.inline:
+            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, self.replicate_pg, what,
+                                    blocks)
 
     def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
         """Add this reduction into p.grad, see [Note: parameters without a gradient].
@@ -446,13 +511,14 @@ def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_
     cols = []
     for g, t in zip(groups, taken):
         cols.append(t.flat_grad.view(W, g.shard_numel))
-        cols.append(g.flags_row(t.used).expand(W, len(t.used)))
+        row = g.flags_row(t.used, streams)
+        cols.append(row.expand(W, row.numel()))
     n = sum(c.shape[1] for c in cols)
     flat = streams.bucket("reduce_scatter", W * n, cols[0].dtype, first.device).view(W, n)
     torch.cat(cols, dim=1, out=flat)  # (see [Note: bucket buffers] in _streams.py)
     launches, at = [], 0
-    for g, t in zip(groups, taken):
-        n = g.shard_numel + len(t.used)
+    for g, t, row in zip(groups, taken, cols[1::2]):
+        n = g.shard_numel + row.shape[1]
         launches.append(_GradLaunch(g, streams, None, _UsedFlags(t.used, inline=True), t.post,
                                     (at, at + n)))
         at += n

@@ -251,7 +251,9 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
                         self._pending.pop(u, None)
             if self.settings.is_last_backward or self.streams.host_work_pending:
                 self._drain()
-                self.streams.finish_host_work()  # CUDA offload: the one sync
+            # CUDA: the compute stream waits every post-reduce; offload or
+            # used-flags to read: the one sync
+            self.streams.finish_backward()
             # else (set_is_last_backward(False)): the last reduce-scatter stays in
             # flight, overlapping the next microbatch's forward; the next
             # backward's first launch (or a last backward) folds it into p.grad
@@ -266,10 +268,9 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         dropped while a side stream still writes them)."""
         if abort:
             for launch in self._in_flight:
-                self.streams.abandon(launch.pending)
-                launch.used.release()  # (its used-flags' all-reduce likewise)
+                launch.used.release()  # (the compute stream waits its used-flags' all-reduce)
             self._in_flight = []
-            self.streams.abort()
+            self.streams.abort()  # (and every post-reduce: see StreamManager.abort)
             self._pending.clear()  # (drop_grad below forgets what they accumulated)
         for u in self.units:
             if abort:

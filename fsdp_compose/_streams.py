@@ -42,20 +42,29 @@ other and compute):
   runtime with ``runtime_factory(...)`` around the model's first forward.
 
 [Note: post-reduce] What follows a reduce-scatter on CUDA runs on a side
-stream, right after the collective is issued (``reduce_scatter(then=)``,
-before E2 is recorded): the post-divide, the cast to the parameters' dtype,
-the fold into ``p.grad``, and with CPU offload the device-to-host copy
-(non-blocking, into pinned memory). With HSDP it runs on the all-reduce
-stream instead, which waits E2 and issues the all-reduce first; the Pending
-then carries E3, recorded there after all of it. The compute stream waits
-E2 (E3) where it always did (the next reduce-scatter's launch, or the end of
-backward): it never runs the all-reduce or waits for a copy. Tensors made on the side stream (cast, clone, add) come from that
-stream's pool and are only reused by it after it waited a later compute
-event. Work that reads host memory written by those copies (the fold of an
-offloaded gradient) waits for one CPU synchronisation at the end of backward
-(``finish_host_work``), which also covers every host-to-device copy of the
-step's offloaded shards (``copy_in``): only after it may the optimizer
-rewrite a pinned shard that a non-blocking copy has not read yet.
+stream, right after the collective is issued (``reduce_scatter(then=)``):
+the post-divide, the cast to the parameters' dtype, the fold into ``p.grad``,
+and with CPU offload the device-to-host copy (non-blocking, into pinned
+memory). With HSDP it runs on the all-reduce stream instead, which waits
+for the reduce-scatter and issues the all-reduce first. Two events: E2,
+recorded right after the reduce-scatter, is what ``Pending.wait()`` orders
+the compute stream after (the next unit's launch: the input may go); E3,
+after the post-reduce, is waited by the compute stream at the end of
+backward (``finish_backward``), as FSDP2 does, and the post-reduce's output
+is kept alive until then. Tensors made on the side stream (cast, clone, add)
+come from that stream's pool and are only reused by it after it waited a
+later compute event: every side-stream context starts by waiting the compute
+stream (``_on``), the forward-order agreement's included. If the post-reduce
+raises, the side stream still records its event and the compute stream
+waits for it before the error propagates. Work that reads host memory
+written by those copies (the fold of an offloaded gradient), and folds that
+need the used-flags' counts on the host (``after_backward``), wait for ONE
+CPU synchronisation at the end of backward, which also covers every
+host-to-device copy of the step's offloaded shards (``copy_in``): only after
+it may the optimizer rewrite a pinned shard that a non-blocking copy has not
+read yet (an eval forward synchronises at its end, ``end_eval_forward``).
+Every intended host synchronisation is marked ``runtime.intended_sync(why)``
+(tests/_cuda_rules.py flags the others inside forward and backward).
 """
 from __future__ import annotations
 
@@ -86,19 +95,27 @@ class Pending(NamedTuple):
 
 
 class CudaRuntime:
-    """What the side-stream protocol needs from a device runtime: torch.cuda's."""
+    """What the side-stream protocol needs from a device runtime: torch.cuda's,
+    on the manager's device (not the current one: a process may drive several)."""
 
-    @staticmethod
-    def current_stream():
-        return torch.cuda.current_stream()
+    def __init__(self, device: torch.device):
+        self.device = device
 
-    @staticmethod
-    def new_stream():
-        return torch.cuda.Stream(priority=-1)
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(device=self.device, priority=-1)
 
     @staticmethod
     def use(stream):
         return torch.cuda.stream(stream)
+
+    @staticmethod
+    def intended_sync(why: str):
+        """Marks a host synchronisation the protocol means (a CPU-side rule
+        checker flags the others inside forward and backward)."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -112,11 +129,16 @@ class CudaRuntime:
     def device_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A small host tensor on ``device``, on the current stream, without a
+        sync: from pinned memory, non-blocking."""
+        return t.pin_memory().to(device, non_blocking=True)
+
 
 def default_runtime(device: torch.device) -> "CudaRuntime | None":
     """torch.cuda's streams and events on a CUDA device; None elsewhere (gloo:
     no side streams, ``wait()`` blocks the CPU)."""
-    return CudaRuntime() if device.type == "cuda" else None
+    return CudaRuntime(device) if device.type == "cuda" else None
 
 
 _runtime_for: Callable[[torch.device], object] = default_runtime
@@ -166,19 +188,45 @@ class StreamManager:
         self._held: list = []           # kept alive by the post-reduce running now
         self._host_copies = False       # a copy to or from host memory since the last sync
         self._on_host: list = []        # work that reads such copies: after the sync
+        self._post_reduces: list = []   # CUDA: (event, tensors) waited at the end of backward
+        self._reads: list = []          # CUDA: (device tensor, fn(values)) after the sync
 
-    def _on(self, stream, issue, then=None):
+    def _on(self, stream, issue, then=None, post=None, after=None):
         """Run ``issue()`` (returns a work) on ``stream``, then ``then(result)``
-        on the same stream, see [Note: side streams]."""
+        on the same stream, see [Note: side streams]. ``post``: the tensors
+        the post-reduce (``then``) reads or makes, kept until the compute
+        stream waited for it at the end of backward (``finish_backward``);
+        the returned work then waits for the collective only (what the next
+        unit needs), see [Note: post-reduce]. ``after``: an event of another
+        side stream to wait for too.
+
+        If anything raises on the side stream (an OOM in a cast, a failed
+        pinned allocation, an HSDP all-reduce error), the side stream still
+        records its event and the caller's stream waits for it before the
+        error propagates: the buffers go back to the allocator ordered after
+        every use the side stream had already enqueued."""
         rt = self._rt
-        inputs_ready = rt.current_stream().record_event()
+        caller = rt.current_stream()
+        inputs_ready = caller.record_event()
         with rt.use(stream):
             stream.wait_event(inputs_ready)
-            result = issue().wait()  # async_op=False: already enqueued, the CPU goes on
-            if then is not None:
-                then(result)
-            done = stream.record_event()
-        return _EventWork(rt, done, result)
+            if after is not None:
+                stream.wait_event(after)
+            ok = False
+            try:
+                result = issue().wait()  # async_op=False: already enqueued, the CPU goes on
+                if then is not None:
+                    issued = stream.record_event()
+                    then(result)
+                ok = True
+            finally:
+                done = stream.record_event()
+                if not ok:
+                    caller.wait_event(done)
+        if then is None:
+            return _EventWork(rt, done, result)
+        self._post_reduces.append((done, post))
+        return _EventWork(rt, issued, result)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
                    what: tuple | None = None, bounds: tuple | None = None) -> Pending:
@@ -195,10 +243,11 @@ class StreamManager:
                        then=None, all_reduce: bool = False, what: tuple | None = None,
                        bounds: tuple | None = None) -> Pending:
         """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
-        run at once on a side stream (the all-reduce stream if ``all_reduce``),
-        and the Pending's ``wait()`` orders the caller after it; on gloo it is
-        ignored (the caller runs it after ``wait()``). ``bounds``: uneven
-        pieces (see ``_collectives.reduce_scatter``)."""
+        run at once on a side stream (the all-reduce stream if ``all_reduce``);
+        the Pending's ``wait()`` orders the caller after the reduce-scatter,
+        ``finish_backward`` after the post-reduce. On gloo ``then`` is ignored
+        (the caller runs it after ``wait()``). ``bounds``: uneven pieces (see
+        ``_collectives.reduce_scatter``)."""
         if self._rt is None:
             return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds),
                            (flat_grad,), what)
@@ -209,28 +258,37 @@ class StreamManager:
             r = dist.get_rank(group)
             out = flat_grad.new_empty(bounds[r + 1] - bounds[r])
         self._held = []
-        work = self._on(self.reduce_scatter_stream,
-                        lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out,
-                                                            async_op=False, bounds=bounds),
-                        None if all_reduce else then)
-        if all_reduce and then is not None:
-            stream = self._all_reduce_side_stream()
-            with self._rt.use(stream):
-                stream.wait_event(work.event)
-                then(out)
-                work = _EventWork(self._rt, stream.record_event(), out)
-        held, self._held = tuple(self._held), []
-        return Pending(work, (flat_grad, out) + held, what)
+        hsdp = all_reduce and then is not None
+        post = [out]  # (the input: read by the collective only, freed once it is waited)
+        try:
+            work = self._on(self.reduce_scatter_stream,
+                            lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out,
+                                                                async_op=False,
+                                                                bounds=bounds),
+                            None if hsdp else then, post)
+            if hsdp:  # the post-reduce on the all-reduce stream, after the reduce-scatter
+                reduced = work.event
+                self._on(self._all_reduce_side_stream(), lambda: _collectives.Ready(out),
+                         then, post, after=reduced)
+                # the next unit waits for the reduce-scatter only, not for the
+                # all-reduce stream (which runs the earlier units' post-reduces too)
+                work = _EventWork(self._rt, reduced, out)
+        finally:
+            post.extend(self._held)
+            self._held = []
+        return Pending(work, (flat_grad, out), what)
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
                    what: tuple | None = None) -> Pending:
         """In place; small tensors that travel with the reduce-scatters (the
         used-flags of [Note: parameters without a gradient] in _grad_path.py),
-        so on the reduce-scatter stream."""
+        so on the reduce-scatter stream, issued ``async_op=False`` there (as
+        the reduce-scatters: ``async_op=True`` would run it on c10d's internal
+        stream, which the next reduce-scatter would then wait for)."""
         if self._rt is None:
             return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
         work = self._on(self.reduce_scatter_stream,
-                        lambda: _collectives.all_reduce_async(tensor, op, group))
+                        lambda: _collectives.all_reduce_async(tensor, op, group, async_op=False))
         return Pending(work, (tensor,), what)
 
     def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
@@ -238,16 +296,32 @@ class StreamManager:
         host (the forward-order agreement, [Note: forward order] in _forward_walk.py).
         On CUDA each group's on the stream of its other collectives (a shard
         group's all-gathers, a replicate group's all-reduces): NCCL kernels of
-        one communicator on two streams could run concurrently and deadlock."""
+        one communicator on two streams could run concurrently and deadlock.
+        The tensor is made on the compute stream (from pinned memory), each
+        side stream waits for compute before touching it (as every side-stream
+        context does: [Note: side streams]), and the result comes back in ONE
+        host synchronisation, intended (a forward pre-hook needs the answer)."""
         if self._rt is None:
             return _collectives.min_across(values, shard_groups + replicate_groups)
-        if shard_groups:
-            with self._rt.use(self.all_gather_stream):
-                values = _collectives.min_across(values, shard_groups)
-        if replicate_groups:
-            with self._rt.use(self._all_reduce_side_stream()):
-                values = _collectives.min_across(values, replicate_groups)
-        return values
+        rt = self._rt
+        t = rt.to_device(torch.tensor(values, dtype=torch.int64), self.device)
+        for groups, stream in ((shard_groups, self.all_gather_stream),
+                               (replicate_groups, None)):
+            if groups:
+                stream = stream or self._all_reduce_side_stream()
+                self._on(stream, lambda g=groups: _collectives.min_in_place(t, g)).wait()
+        host = rt.host_empty(len(values), torch.int64, pin=True)
+        rt.device_to_host(host, t)
+        with rt.intended_sync("the forward-order agreement"):
+            rt.current_stream().record_event().synchronize()
+        return host.tolist()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (flags) on the manager's device, on the current
+        stream; on CUDA from pinned memory, without a host sync."""
+        if self._rt is None:
+            return t.to(self.device)
+        return self._rt.to_device(t, self.device)
 
     def _all_reduce_side_stream(self):
         if self._all_reduce_stream is None:
@@ -309,14 +383,6 @@ class StreamManager:
         if self._rt is not None:
             self._held.append(t)
 
-    def abandon(self, pending: Pending) -> None:
-        """A collective dropped unread (a backward raised): on CUDA the compute
-        stream still waits for it, or its buffers could go back to the
-        allocator while the side stream writes them. gloo's works hold their
-        tensors themselves."""
-        if self._rt is not None:
-            pending.wait()
-
     # --------------------------------------------------------- host copies
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, from_host: bool) -> None:
         """Copy a shard into the unsharded flat (cast and/or host-to-device),
@@ -348,27 +414,81 @@ class StreamManager:
         else:
             self._on_host.append(fn)
 
+    def after_backward(self, t: torch.Tensor, fn) -> None:
+        """``fn(t.tolist())`` at the end of backward, where ONE host
+        synchronisation reads every such tensor (the used-flags' counts on
+        CUDA: reading each in its post-reduce blocked the backward thread at
+        every reduce-scatter). gloo: now."""
+        if self._rt is None:
+            fn(t.tolist())
+        else:
+            self._reads.append((t, fn))
+
     @property
     def host_work_pending(self) -> bool:
-        return self._host_copies
+        """Something waits for the end-of-backward synchronisation."""
+        return self._host_copies or bool(self._reads)
 
-    def finish_host_work(self) -> None:
-        """End of backward, after the compute stream waited every post-reduce:
-        ONE CPU synchronisation covers every host copy of the step, then the
-        work that reads them runs (see [Note: post-reduce])."""
-        if not self._host_copies:
+    def finish_backward(self) -> None:
+        """End of backward, after every reduce-scatter was waited: the compute
+        stream waits for every post-reduce (FSDP2 waits them here too: the
+        next unit only needed the reduce-scatter), then ONE CPU
+        synchronisation covers every host copy of the step and every value
+        read back (see [Note: post-reduce])."""
+        if self._rt is None:
             return
-        self._rt.current_stream().record_event().synchronize()
+        compute = self._rt.current_stream()
+        for event, _ in self._post_reduces:
+            compute.wait_event(event)
+        self._post_reduces = []
+        if not self._host_copies and not self._reads:
+            return
+        reads, self._reads = self._reads, []
+        host = None
+        if reads:  # one copy of every value to read
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t, _ in reads])
+            host = self._rt.host_empty(flat.numel(), flat.dtype, pin=True)
+            self._rt.device_to_host(host, flat)
+        with self._rt.intended_sync("the end of backward: host copies and used-flags"):
+            compute.record_event().synchronize()
         self._host_copies = False
         fns, self._on_host = self._on_host, []
         for fn in fns:
             fn()
+        if reads:
+            values, at = host.tolist(), 0
+            for t, fn in reads:
+                fn(values[at:at + t.numel()])
+                at += t.numel()
+
+    def end_eval_forward(self) -> None:
+        """A root forward with no backward to follow (eval): its host-to-device
+        copies of offloaded shards are synchronised now, once, so the CPU may
+        rewrite the shards (an optimizer, a checkpoint load) without racing
+        them; a training forward leaves it to the end of backward."""
+        if self._rt is None or not self._host_copies or self._on_host or self._reads:
+            return
+        with self._rt.intended_sync("an eval forward's host-to-device copies"):
+            self._rt.current_stream().record_event().synchronize()
+        self._host_copies = False
 
     def abort(self) -> None:
-        """After a backward raised (every pending already abandoned): let the
-        host copies land, drop the work that would have read them."""
-        if self._host_copies:
-            self._rt.current_stream().record_event().synchronize()
+        """After a backward raised, for the reduce-scatters it left in flight
+        (dropped unread): the compute stream waits for every post-reduce (on
+        CUDA each collective is followed on its stream by its post-reduce, so
+        this orders the compute stream after the collective too, and its
+        buffers may go back to the allocator); the work that would have read
+        host copies is dropped. gloo's works hold their tensors themselves."""
+        if self._rt is not None:
+            compute = self._rt.current_stream()
+            for event, _ in self._post_reduces:
+                compute.wait_event(event)
+        # No synchronisation: the copies of the dropped step are covered by the
+        # next one (end of backward, eval forward), as they are on the compute
+        # stream or ordered before it; the pinned buffers they write are the
+        # host allocator's to keep until the copies are done.
+        self._post_reduces = []
+        self._reads = []
         self._host_copies = False
         self._on_host = []
         # a bucket buffer a dropped collective may still write: not reused

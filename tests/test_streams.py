@@ -113,7 +113,10 @@ def _check_protocol(log: list) -> list[str]:
         if rec2 is None or rec2[1] != want:
             bad.append(f"{kind} at {i}: no completion event on {want}: {rec2}")
             continue
-        waited = [j for j, e in enumerate(log) if e == ("wait", "compute", rec2[2])]
+        # the compute stream waits that event, or a later one of the same stream
+        # (an aborted step waits the post-reduce that follows the collective)
+        later = {e[2] for e in log[i + 1:] if e[:2] == ("record", want)}
+        waited = [j for j, e in enumerate(log) if e[:2] == ("wait", "compute") and e[2] in later]
         if not waited:
             bad.append(f"{kind} at {i}: the compute stream never waits for it")
             continue
