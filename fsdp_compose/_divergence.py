@@ -89,7 +89,6 @@ def step_check_enabled() -> bool:
 
 SLICE = timedelta(seconds=1)       # a blocked wait reads the store this often
 EXPLAIN_WAIT = timedelta(seconds=10)  # for the other ranks' lines on a mismatch
-_STOPPED_KEY = "fsdp_compose/stopped"
 
 LAZY_INIT, FORWARD, EVAL_FORWARD, BACKWARD = 0, 1, 2, 3
 PHASES = {LAZY_INIT: "lazy init", FORWARD: "a training forward",
@@ -99,7 +98,7 @@ _MASK = (1 << 62) - 1  # hashes fit an int64 and its negation
 # ---------------------------------------------------------------------------
 # Optimizer steps over sharded parameters (written by _torch_hooks' step pre-hook)
 # ---------------------------------------------------------------------------
-optimizer_steps = 0
+optimizer_steps = 0  # a counter only: each root counts the steps taken in its lifetime
 
 
 def count_optimizer_step() -> None:
@@ -122,8 +121,24 @@ def settings_changed() -> None:
 
 # ---------------------------------------------------------------------------
 # The store: records of ranks that stopped (3. in the Note)
+#
+# [Note: divergence records are per root]
+# Every record is keyed by the root it belongs to, never by what another
+# model in the same process could share (a unit FQN: every root's is '', the
+# ranks, a counter of checks): ``StepChecks.prefix`` names the root's
+# lifetime (the n-th root this process made over these ranks and process
+# groups, agreed in the lazy-init check) and its groups. A root's store keys
+# live under it: the words of a step left half-done (deleted by the last rank
+# to read them), the lines of a mismatch; the keys this rank wrote are
+# deleted when the root is freed (``weakref.finalize``). A stop is also
+# recorded per process group: after a DivergenceError a rank may still have
+# a collective in flight there, so every root on that group (the model that
+# raised, one alive beside it, one made later) raises instead of pairing its
+# collectives with it. A model on other process groups is not affected.
 # ---------------------------------------------------------------------------
-_stopped: dict = {}  # default process group -> this process's first record
+_stopped: dict = {}      # root prefix -> this process's record, while the root lives
+_stopped_pgs: dict = {}  # process group key ("*": unknown) -> this process's first record
+_active: "weakref.ref | None" = None  # the StepChecks whose phase began last
 
 
 def _store():
@@ -133,32 +148,70 @@ def _store():
         return None
 
 
-def stop(record: str) -> None:
-    """This rank stops communicating: say why, to the other ranks and to later calls."""
-    _stopped.setdefault(dist.group.WORLD, record)
+def _pg_key(pg, ranks: tuple) -> str:
+    """A process group, named alike on its members: torch's group name and its ranks."""
+    return f"{pg.group_name}:{len(ranks)}:{zlib.crc32(repr(ranks).encode()):08x}"
+
+
+def _pg_stop_key(pg_key: str) -> str:
+    return f"fsdp_compose/pg/{pg_key}/stopped"
+
+
+def stop(record: str, checks: "StepChecks | None" = None) -> None:
+    """This rank stops communicating on ``checks``' groups (default: the root
+    whose phase runs): say why, to the other ranks and to later calls."""
+    if checks is None:
+        checks = _active() if _active is not None else None
+    keys = []
+    if checks is not None:
+        if checks.prefix is not None:
+            _stopped.setdefault(checks.prefix, record)
+            keys.append(checks.key("stopped"))
+        for k in checks.pg_keys:
+            _stopped_pgs.setdefault(k, record)
+            keys.append(_pg_stop_key(k))
+    else:
+        _stopped_pgs.setdefault("*", record)
+        keys.append(_pg_stop_key("*"))
     store = _store()
     if store is not None:
         try:
-            store.set(_STOPPED_KEY, record)
+            for key in keys:
+                store.set(key, record)
         except RuntimeError:  # the store's host (rank 0's process) is gone
             pass
 
 
-def stopped_here() -> str | None:
-    """This process's record, if it stopped (raised a DivergenceError)."""
-    return _stopped.get(dist.group.WORLD) if dist.is_initialized() else None
+def stopped_here(checks: "StepChecks | None") -> str | None:
+    """This process's record, if it stopped (raised a DivergenceError) on
+    ``checks``' root or on one of its process groups."""
+    if not (_stopped or _stopped_pgs):
+        return None
+    if checks is not None:
+        record = _stopped.get(checks.prefix)
+        if record is not None:
+            return record
+        for k in checks.pg_keys:
+            if k in _stopped_pgs:
+                return _stopped_pgs[k]
+    return _stopped_pgs.get("*")
 
 
 def peer_record() -> str | None:
-    """A record another rank posted, if any (a store round trip per root):
+    """A record another rank posted, if any (store round trips per live root):
     one that stopped, or one that left a step half-done (see StepChecks.left)."""
     store = _store()
     if store is None:
         return None
     try:
-        if store.check([_STOPPED_KEY]):
-            return store.get(_STOPPED_KEY).decode(errors="replace")
-        for checks in list(_ROOTS):
+        roots = [c for c in list(_ROOTS) if c.prefix is not None]
+        stop_keys = [c.key("stopped") for c in roots]
+        stop_keys += [_pg_stop_key(k) for k in {k for c in roots for k in c.pg_keys}]
+        stop_keys.append(_pg_stop_key("*"))
+        for key in stop_keys:
+            if store.check([key]):
+                return store.get(key).decode(errors="replace")
+        for checks in roots:
             key = checks.left_key("count")
             if store.check([key]):
                 return (f"{_ranks(_left_ranks(store, checks))} left a step half-done (an "
@@ -172,12 +225,14 @@ def _left_ranks(store, checks) -> list[int]:
     return [r for r in checks.members if store.check([checks.left_key(r)])]
 
 
-def raise_if_stopped(fqn: str) -> None:
-    record = stopped_here()
+def raise_if_stopped(fqn: str, checks: "StepChecks | None" = None) -> None:
+    record = stopped_here(checks)
     if record is not None:
         raise unit_error(fqn, f"this rank stopped communicating after an earlier error "
-                         f"({record}); the ranks' collectives no longer match.",
-                         "Let the first DivergenceError end the job (on every rank).",
+                         f"({record}); the ranks' collectives on this model's process groups "
+                         "no longer match.",
+                         "Let the first DivergenceError end the job (on every rank); a model "
+                         "built after it needs process groups of its own.",
                          exc=DivergenceError)
 
 
@@ -252,13 +307,32 @@ _FIX = ("Every rank must run the same forwards and backwards of the model betwee
 # ---------------------------------------------------------------------------
 # The checks (1. and 2. in the Note)
 # ---------------------------------------------------------------------------
+def _crc(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _forget(prefix: str, written: list[str]) -> None:
+    """A root was freed: delete the store keys this rank wrote for it, and its
+    record (see [Note: divergence records are per root])."""
+    _stopped.pop(prefix, None)
+    store = _store() if written else None
+    if store is None:
+        return
+    for key in written:
+        try:
+            store.delete_key(key)
+        except RuntimeError:  # the store's host is gone: nothing left to clean
+            return
+
+
 def stable_hash(text: str) -> int:
     """A hash that is the same in every process (``hash(str)`` is salted)."""
     return zlib.crc32(text.encode())
 
 
-_check_counts: dict = {}  # process group ranks -> checks issued on it (store keys)
 _ROOTS: "weakref.WeakSet[StepChecks]" = weakref.WeakSet()  # read by peer_record
+_roots_made = 0  # the highest root id this process took part in (see lazy_init)
+_AGREED = (3, 4)  # fields of the lazy-init vector that differ by rank: max and min taken
 AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the others' word
 
 
@@ -270,33 +344,68 @@ class StepChecks:
         # [(process group, its ranks, the device of its tensors)]
         self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg)), device)
                     for pg, device in pgs]
+        self.pg_keys = [_pg_key(pg, ranks) for pg, ranks, _ in self.pgs]
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
         self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
         self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
-        self._opt_seen = optimizer_steps
+        self._opt_base = optimizer_steps  # optimizer steps before this root existed
+        self._opt_seen = 0  # ... and since, at the last check
         self.forwards = 0   # root forwards since the last optimizer step
         self.backwards = 0  # backwards (outer) since the last optimizer step
         # every rank the checks reach, and the steps they left half-done together
         self.members = sorted({r for _, ranks, _ in self.pgs for r in ranks})
         self.left_together = 0
+        # this root's lifetime (see [Note: divergence records are per root]):
+        # set by lazy_init; the checks issued per group; the store keys this
+        # rank wrote (deleted when the root is freed)
+        self._agreed: list[int] = []  # lazy init: max and -min of the _AGREED fields
+        self.prefix: str | None = None
+        self._counts = [0] * len(self.pgs)
+        self._written: list[str] = []
+        self._ref = weakref.ref(self)
         _ROOTS.add(self)
 
+    def key(self, what: str) -> str:
+        """A store key of this root (before lazy init has named it: of the lazy-init check)."""
+        return f"{self.prefix or 'fsdp_compose/lazy_init'}/{what}"
+
     def lazy_init(self, layout: list[str]) -> None:
-        """``layout``: one line per unit, what every rank must have alike."""
-        vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK, 0, 0]
+        """``layout``: one line per unit, what every rank must have alike. Also
+        names this root's lifetime alike on every rank of its groups (see
+        [Note: divergence records are per root]): the highest of the ranks'
+        "roots I took part in, plus one" and the lowest rank (two roots alive
+        at once share a rank, whose count tells them apart, or have different
+        lowest ranks)."""
+        global _roots_made
+        for k in self.pg_keys:  # a group an earlier model stopped on
+            if k in _stopped_pgs:
+                raise_if_stopped(self.fqn, self)
+        vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK,
+               _roots_made + 1, -dist.get_rank()]
         with label("step_check", self.fqn):
             self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
+        made, low = self._agreed[0], self._agreed[1]
+        if len(self.pgs) > 1:  # (HSDP) over the shard group, what its members saw elsewhere
+            pg, _, device = self.pgs[0]
+            t = torch.tensor([made, low], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            made, low = t.tolist()
+        _roots_made = max(_roots_made, made)
+        self.prefix = f"fsdp_compose/root/{made}/{-low}"
+        weakref.finalize(self, _forget, self.prefix, self._written).atexit = False
 
     def before(self, phase: int, settings: tuple, describe) -> None:
         """At the start of ``phase`` (FORWARD, EVAL_FORWARD, BACKWARD), before
         its first collective. ``settings``: the schedule settings (hashable,
         ints and bools only: the same hash in every process); ``describe()``
         explains them in lines, on a mismatch."""
+        global _active
+        _active = self._ref
         if not self.enabled:
             return
-        if self._opt_seen != optimizer_steps:
-            self._opt_seen, self.forwards, self.backwards = optimizer_steps, 0, 0
+        if self._opt_seen != optimizer_steps - self._opt_base:
+            self._opt_seen, self.forwards, self.backwards = optimizer_steps - self._opt_base, 0, 0
         steps, fwd, bwd = self._opt_seen, self.forwards, self.backwards
         vec = [phase, steps, fwd, bwd, hash(settings) & _MASK]
 
@@ -313,8 +422,7 @@ class StepChecks:
             self._issue(vec, lines)
 
     def left_key(self, what) -> str:
-        members = ",".join(map(str, self.members))
-        return f"fsdp_compose/left/{self.fqn}/{members}/{self.left_together}/{what}"
+        return f"{self.prefix}/left/{self.left_together}/{what}"
 
     def left(self, position: int, where: str) -> None:
         """This rank left its last step half-done (an exception inside forward
@@ -329,7 +437,9 @@ class StepChecks:
         if store is None:
             self._left_error(where, position, "the others cannot be asked (no store)")
         try:
-            store.set(self.left_key(me), str(position))
+            mine = self.left_key(me)
+            self._written += [mine, self.left_key("count")]
+            store.set(mine, str(position))
             store.add(self.left_key("count"), 1)  # what the others' waits look for
             keys = [self.left_key(r) for r in self.members]
             deadline = time.monotonic() + AGREE_WAIT
@@ -338,14 +448,19 @@ class StepChecks:
                     store.wait(keys, SLICE)
                     break
                 except RuntimeError:  # a slice went by: did a rank stop instead?
-                    if store.check([_STOPPED_KEY]):
-                        self._left_error(where, position,
-                                         store.get(_STOPPED_KEY).decode(errors="replace"))
+                    record = self._stop_record(store)
+                    if record is not None:
+                        self._left_error(where, position, record)
                     if time.monotonic() > deadline:
                         silent = [r for r in self.members if not store.check([self.left_key(r)])]
                         self._left_error(where, position, f"{_ranks(silent)} did not leave it "
                                          f"(no word within {AGREE_WAIT:.0f} s)")
             said = dict(zip(self.members, (int(v) for v in store.multi_get(keys))))
+            if len(set(said.values())) == 1:  # in step: the last rank to read deletes the words
+                self._written.append(self.left_key("read"))
+                if store.add(self.left_key("read"), 1) == len(self.members):
+                    for key in keys + [self.left_key("count"), self.left_key("read")]:
+                        store.delete_key(key)
         except RuntimeError as e:  # (DivergenceError is one: let it through)
             if isinstance(e, DivergenceError):
                 raise
@@ -359,9 +474,16 @@ class StepChecks:
                                          for p, rs in sorted(by.items())))
         self.left_together += 1  # every rank alike: in step, the next word goes elsewhere
 
+    def _stop_record(self, store) -> str | None:
+        """A record a rank posted on stopping on this root or one of its groups."""
+        for key in [self.key("stopped")] + [_pg_stop_key(k) for k in self.pg_keys]:
+            if store.check([key]):
+                return store.get(key).decode(errors="replace")
+        return None
+
     def _left_error(self, where: str, position: int, why: str) -> None:
         stop(f"rank {rank()} left a step half-done ({where}) after collective #{position} and "
-             "stopped communicating")
+             "stopped communicating", self)
         raise unit_error(
             self.fqn, f"this rank left its last step half-done: an exception was raised inside "
             f"its forward or backward ({where}) after some of the step's collectives, and not "
@@ -379,10 +501,10 @@ class StepChecks:
         compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
         n = len(vec)
         issued = []
-        for pg, ranks, device in self.pgs:
-            count = _check_counts.get(ranks, 0)
-            _check_counts[ranks] = count + 1
-            check = (vec, lines, ranks, count)
+        for i, (pg, ranks, device) in enumerate(self.pgs):
+            count = self._counts[i]
+            self._counts[i] = count + 1
+            check = (vec, lines, ranks, f"{self.pg_keys[i]}/{count}")
             t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
             if device.type == "cuda":  # see the Note: read at a later check
                 t = t.pin_memory().to(device, non_blocking=True)  # (pageable: a stream sync)
@@ -428,16 +550,22 @@ class StepChecks:
 
     def _compare(self, results: list) -> None:
         """``results``: [(all-reduced [max, -min], check)] of one check over
-        each group. Raise if any group's ranks reported different things."""
+        each group. Raise if any group's ranks reported different things
+        (the lazy init's _AGREED fields aside: their max is kept)."""
         bad = []
         for out, check in results:
             n = len(check[0])
+            if check[0][0] == LAZY_INIT:
+                agreed = [out[i] for i in _AGREED]
+                self._agreed = agreed if not self._agreed else \
+                    [max(a, b) for a, b in zip(self._agreed, agreed)]
+                out = [0 if i % n in _AGREED else v for i, v in enumerate(out)]
             if out[:n] != [-v for v in out[n:]]:
                 bad.append(check)
         if not bad:
             return
         vec, lines = bad[0][0], bad[0][1]
-        summary = _explain([(ranks, count) for _, _, ranks, count in bad], lines())
+        summary = _explain(self, [(ranks, count) for _, _, ranks, count in bad], lines())
         ranks = bad[0][2]
         what = "lazy init" if vec[0] == LAZY_INIT else "the start of a forward or backward"
         fix = _LAYOUT_FIX if vec[0] == LAZY_INIT else _FIX
@@ -447,7 +575,7 @@ class StepChecks:
             f"the phase) they reported different things:\n{summary}\n{fix}",
             exc=DivergenceError)
         stop(f"rank {rank()} stopped: its step check at {PHASES[vec[0]]} of unit "
-             f"'{self.fqn or '<root>'}' found the ranks diverged")
+             f"'{self.fqn or '<root>'}' found the ranks diverged", self)
         raise err
 
 
@@ -459,10 +587,10 @@ _LAYOUT_FIX = ("Every rank must build the same model (the same parameters, shape
 _LINES, _LINE = 256, 400  # what a rank posts at most: lines, characters per line
 
 
-def _explain(checks: list[tuple], lines: list[str]) -> str:
+def _explain(root: StepChecks, checks: list[tuple], lines: list[str]) -> str:
     """The lines that differ between ranks, and which ranks said what, for the
     first of ``checks`` ([(group ranks, check count)], the groups where this
-    rank saw a mismatch). Every rank posts its lines to the store for each of
+    rank saw a mismatch), under ``root``'s prefix. Every rank posts its lines to the store for each of
     them; the first rank of each group summarises (bounded waits: a rank that
     never posts is reported as silent)."""
     me = dist.get_rank()
@@ -470,13 +598,15 @@ def _explain(checks: list[tuple], lines: list[str]) -> str:
     store = _store()
     if store is None:
         return mine
-    prefixes = [f"fsdp_compose/check/{','.join(map(str, r))}/{c}" for r, c in checks]
+    prefixes = [root.key(f"check/{c}") for _, c in checks]
     posted = json.dumps([line[:_LINE] for line in lines[:_LINES]])  # bounded, at any scale
     try:
         for prefix in prefixes:
+            root._written.append(f"{prefix}/{me}")
             store.set(f"{prefix}/{me}", posted)
         for (ranks, _), prefix in zip(checks, prefixes):
             if ranks[0] == me:
+                root._written.append(f"{prefix}/summary")
                 store.set(f"{prefix}/summary", _summarize(ranks, _posted(store, prefix, ranks)))
         key = f"{prefixes[0]}/summary"
         store.wait([key], EXPLAIN_WAIT + SLICE)

@@ -106,7 +106,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self, entry: str = "forward") -> None:
         if self.checks is not None:
-            _divergence.raise_if_stopped(self.root.fqn)
+            _divergence.raise_if_stopped(self.root.fqn, self.checks)
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
             if self.checks is not None:
                 self._left_half_done()  # raises unless every rank left it alike
@@ -222,7 +222,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             self.accumulated = True
         if not self._callback_queued:
             if self.checks is not None:
-                _divergence.raise_if_stopped(self.root.fqn)
+                _divergence.raise_if_stopped(self.root.fqn, self.checks)
                 self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
