@@ -117,12 +117,12 @@ class _Works:
     already complete (``async_op=False``). Only works that block the CPU (gloo,
     CPU tensors): they are waited in slices (``_divergence.wait``)."""
 
-    def __init__(self, works: list):
-        self._works = works
+    def __init__(self, works: list, at: tuple | None = None):
+        self._works, self._at = works, at  # at: (group name, position), see _divergence.next_op
 
     def wait(self) -> bool:
         for w in self._works:
-            _divergence.wait(w)
+            _divergence.wait(w, self._at)
         self._works = []
         return True
 
@@ -132,15 +132,15 @@ class ReduceScatterWork:
     waiting again returns the same tensor without touching the collective
     (waiting a gloo work twice copies its result again)."""
 
-    def __init__(self, work, output: torch.Tensor | None, finish=None):
-        self._work, self._finish, self.output = work, finish, output
+    def __init__(self, work, output: torch.Tensor | None, finish=None, at: tuple | None = None):
+        self._work, self._finish, self.output, self._at = work, finish, output, at
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             if isinstance(self._work, _Works):  # (a 2-rank exchange: waited in slices)
                 self._work.wait()
             elif self.output is None or self.output.device.type == "cpu":  # blocks the CPU
-                _divergence.wait(self._work)
+                _divergence.wait(self._work, self._at)
             else:
                 self._work.wait()
             self._work = None
@@ -160,6 +160,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     """``output`` (world·S) ← every rank's ``shard`` (S), in rank order."""
     _stats.all_gather_calls += 1
     _stats.all_gather_bytes += _nbytes(output)
+    at = _divergence.next_op(group)
     gloo = _in_place_gloo(output, group)
     if gloo is None:
         work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
@@ -170,7 +171,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
         chunks[rank].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=async_op)
              for r in range(world)]
-    return _Works(works if async_op else [])
+    return _Works(works if async_op else [], at)
 
 
 def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
@@ -181,6 +182,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     waited (not while the collective is in flight)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
+    at = _divergence.next_op(group)
     gloo = _in_place_gloo(flat_grad, group)
     if gloo is None:
         world = dist.get_world_size(group)
@@ -190,7 +192,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         return ReduceScatterWork(work if async_op else None, out)
     rank, world = gloo
     if async_op and world == 2 and _nbytes(flat_grad) <= P2P_MAX_BYTES:
-        return _exchange(flat_grad, group, op, out, rank)
+        return _exchange(flat_grad, group, op, out, rank, at)
     mine = flat_grad.view(world, -1)[rank]
     if out is not None:
         def finish():
@@ -202,10 +204,10 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     if not async_op:
         return ReduceScatterWork(None, finish())
-    return ReduceScatterWork(work, None, finish)
+    return ReduceScatterWork(work, None, finish, at)
 
 
-def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int) -> ReduceScatterWork:
+def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int, at) -> ReduceScatterWork:
     """A small reduce-scatter over 2 gloo ranks as a point-to-point exchange
     (see the Note): the peer's chunk out, ours in, one addition."""
     chunks = flat_grad.view(2, -1)
@@ -220,7 +222,7 @@ def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int) -> ReduceScatt
             res.div_(2)
         return res
 
-    return ReduceScatterWork(_Works(works), None, finish)
+    return ReduceScatterWork(_Works(works, at), None, finish)
 
 
 def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> None:
@@ -232,11 +234,12 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> No
     device type cpu") goes through the group's device and back."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
+    at = _divergence.next_op(group)
     device = _group_device(group, tensor.device)
     if device == tensor.device and device.type == "cpu":  # blocks the CPU: in slices
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         try:
-            _divergence.wait(work)
+            _divergence.wait(work, at)
         except _divergence.CollectiveStopped as e:
             if what is None:
                 raise
@@ -259,6 +262,7 @@ def min_across(values: list[int], groups: list) -> list[int]:
     for group in groups:
         _stats.all_reduce_calls += 1
         _stats.all_reduce_bytes += _nbytes(t)
+        _divergence.next_op(group)
         t = t.to(_group_device(group, t.device))
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return t.tolist()
@@ -279,5 +283,6 @@ def all_reduce_async(tensor: torch.Tensor, op, group):
     """In-place all-reduce, not waited (small tensors: the used-flags)."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
+    at = _divergence.next_op(group)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _Works([work]) if tensor.device.type == "cpu" else work
+    return _Works([work], at) if tensor.device.type == "cpu" else work

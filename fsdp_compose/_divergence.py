@@ -80,7 +80,7 @@ class DivergenceError(RuntimeError):
 # The step check (2. in the Note): FSDP_COMPOSE_STEP_CHECK=1 / 0 turns it on /
 # off (read when a root initialises); unset: STEP_CHECK_DEFAULT. The lazy-init
 # check, the sliced waits and a step left half-done are always handled.
-STEP_CHECK_DEFAULT = False  # measured: docs/design.md, "Divergence"
+STEP_CHECK_DEFAULT = True  # measured: docs/design.md, "Divergence"
 
 
 def step_check_enabled() -> bool:
@@ -141,6 +141,26 @@ _stopped_pgs: dict = {}  # process group key ("*": unknown) -> this process's fi
 _active: "weakref.ref | None" = None  # the StepChecks whose phase began last
 
 
+# ---------------------------------------------------------------------------
+# Where each rank is in each process group's sequence of collectives (the
+# ones _collectives issues): a rank that waits in a step check posts these,
+# and a rank blocked in a collective its peer has not issued learns that the
+# peer never will (see StepChecks.before)
+# ---------------------------------------------------------------------------
+_positions: dict = {}  # process group name -> collectives _collectives issued on it
+_NAMES: dict = {}      # process group -> its name (alike on its members)
+
+
+def next_op(group) -> tuple:
+    """A collective is issued on ``group``: (its group's name, its position there)."""
+    name = _NAMES.get(group)
+    if name is None:
+        name = _NAMES[group] = (group if group is not None else dist.group.WORLD).group_name
+    at = _positions.get(name, 0) + 1
+    _positions[name] = at
+    return name, at
+
+
 def _store():
     try:
         return _compat.default_store()
@@ -166,7 +186,7 @@ def stop(record: str, checks: "StepChecks | None" = None) -> None:
     if checks is not None:
         if checks.prefix is not None:
             _stopped.setdefault(checks.prefix, record)
-            keys.append(checks.key("stopped"))
+            keys += [checks.key("stopped"), checks.key(f"stopped/{dist.get_rank()}")]
         for k in checks.pg_keys:
             _stopped_pgs.setdefault(k, record)
             keys.append(_pg_stop_key(k))
@@ -197,9 +217,12 @@ def stopped_here(checks: "StepChecks | None") -> str | None:
     return _stopped_pgs.get("*")
 
 
-def peer_record() -> str | None:
+def peer_record(at: tuple | None = None) -> str | None:
     """A record another rank posted, if any (store round trips per live root):
-    one that stopped, or one that left a step half-done (see StepChecks.left)."""
+    one that stopped, one that left a step half-done (see StepChecks.left), or,
+    for a rank blocked in the collective ``at`` ((group name, position)), one
+    waiting in a step check this rank has not reached, that has not issued
+    ``at`` (see StepChecks.before)."""
     store = _store()
     if store is None:
         return None
@@ -216,6 +239,11 @@ def peer_record() -> str | None:
             if store.check([key]):
                 return (f"{_ranks(_left_ranks(store, checks))} left a step half-done (an "
                         "exception inside its forward or backward)")
+        if at is not None:
+            for checks in roots:
+                record = checks.waiting_peer(store, at)
+                if record is not None:
+                    return record
     except RuntimeError:
         return "the store's host (rank 0's process) is gone"
     return None
@@ -248,12 +276,14 @@ class CollectiveStopped(DivergenceError):
         self.reason = reason
 
 
-def wait(work) -> None:
+def wait(work, at: tuple | None = None, stuck=None) -> None:
     """``work.wait()`` for a collective that blocks the CPU (gloo), in slices:
     between slices, read the store for a record of a rank that stopped. A
     work whose slice timed out stays usable (gloo: ``wait(timeout)`` raises,
     the collective goes on). Raises ``CollectiveStopped`` (and posts this
-    rank's record) if it failed or another rank stopped."""
+    rank's record) if it failed or another rank stopped. ``at``: the
+    collective's (group name, position), see ``peer_record``; ``stuck()`` is
+    called after every slice that went by."""
     while True:
         try:
             work.wait(SLICE)
@@ -277,7 +307,9 @@ def wait(work) -> None:
                            "fsdp_compose: its own error is in its log")
             stop(f"rank {rank()} stopped: a collective it waited for failed")
             raise CollectiveStopped(reason) from failure
-        record = peer_record()
+        if stuck is not None:
+            stuck()
+        record = peer_record(at)
         if record is not None:
             stop(f"rank {rank()} stopped: {record}")
             raise CollectiveStopped(record)
@@ -360,6 +392,12 @@ class StepChecks:
         # set by lazy_init; the checks issued per group; the store keys this
         # rank wrote (deleted when the root is freed)
         self._agreed: list[int] = []  # lazy init: max and -min of the _AGREED fields
+        # gloo: the step check runs at forward starts only (see before); the
+        # checks issued (a rank waiting in one posts its number), and what
+        # this rank began last (for a peer's error)
+        self.gloo = all(device.type != "cuda" for _, _, device in self.pgs)
+        self.issued = 0
+        self._began = lambda: []
         self.prefix: str | None = None
         self._counts = [0] * len(self.pgs)
         self._written: list[str] = []
@@ -418,8 +456,78 @@ class StepChecks:
             self.backwards += 1
         else:
             self.forwards += 1
+        self._began = lines
+        if phase == BACKWARD and self.gloo:
+            return  # see [Note: one check per step]
+        self.issued += 1
         with label("step_check", self.fqn):
             self._issue(vec, lines)
+
+    def _post_waiting(self, vec: list[int], lines):
+        """``stuck()`` for the wait of a step check: after its first slice,
+        post where this rank is (its check's number, its position in every
+        group, what it began) for the ranks blocked elsewhere; returns also
+        the function that takes the post back once the check completed."""
+        posted = []
+
+        def stuck():
+            if posted:
+                return
+            store = _store()
+            if store is None:
+                return
+            record = json.dumps({"check": self.issued, "at": _positions, "phase": vec[0],
+                                 "lines": [x[:_LINE] for x in lines()[:_LINES]]})
+            try:
+                key = self.key(f"waiting/{dist.get_rank()}")
+                store.set(key, record)
+                store.add(self.key("waiting/n"), 1)
+                self._written += [key, self.key("waiting/n")]
+                posted.append(key)
+            except RuntimeError:
+                pass
+
+        def take_back():
+            if posted:
+                store = _store()
+                try:
+                    store.delete_key(posted[0])
+                    store.add(self.key("waiting/n"), -1)
+                except (RuntimeError, AttributeError):
+                    pass
+        return stuck, take_back
+
+    def waiting_peer(self, store, at: tuple) -> str | None:
+        """For a rank blocked in the collective ``at`` ((group name, its
+        position there)): a record of a rank of this root that waits in a step
+        check this rank has not issued, and has not issued ``at``: it will not
+        (it waits for this rank's check), so the ranks diverged."""
+        if self.prefix is None or store.add(self.key("waiting/n"), 0) <= 0:
+            return None
+        me = dist.get_rank()
+        for r in self.members:
+            key = self.key(f"waiting/{r}")
+            if r == me or not store.check([key]):
+                continue
+            peer = json.loads(store.get(key))
+            if peer["check"] <= self.issued or peer["at"].get(at[0], 0) >= at[1]:
+                continue
+            summary = _summarize(tuple(sorted((me, r))), {r: peer["lines"], me: self._began()})
+            record = (f"rank {r} waits in the step check at {PHASES[peer['phase']]} of unit "
+                      f"'{self.fqn or '<root>'}' and has not issued the collective this rank "
+                      f"waits for (#{at[1]} on its group): the ranks diverged. What they "
+                      f"began:\n{summary}\n")
+            # Say so, and give the waiting rank a few slices to read it (if this
+            # rank exits, the store, hosted by rank 0, may go with it).
+            stop(f"rank {me} stopped: {record}", self)
+            deadline = time.monotonic() + 3 * SLICE.total_seconds()
+            try:
+                while time.monotonic() < deadline and not store.check([self.key(f"stopped/{r}")]):
+                    time.sleep(0.05)
+            except RuntimeError:  # it read it and exited, and the store went with rank 0
+                pass
+            return record
+        return None
 
     def left_key(self, what) -> str:
         return f"{self.prefix}/left/{self.left_together}/{what}"
@@ -517,12 +625,16 @@ class StepChecks:
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
                            t, check))
+        stuck, take_back = self._post_waiting(vec, lines) if vec[0] != LAZY_INIT \
+            else (None, None)
         for work, _, _ in issued:
             try:
-                wait(work)
+                wait(work, stuck=stuck)
             except CollectiveStopped as e:
                 raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}", e) \
                     from e
+        if take_back is not None:
+            take_back()
         self._compare([(t.tolist(), check) for _, t, check in issued])
         if self._unread:
             self._read(keep=0 if wait_all else 1)

@@ -80,17 +80,14 @@ def _train(model, rank: int, steps: int = 3, forwards=None, microbatches=None,
         opt.zero_grad()
 
 
-# Scenarios that need the step check (FSDP_COMPOSE_STEP_CHECK=1, off by default:
-# docs/design.md, "Divergence"); the others run with the defaults.
+# Scenarios caught by the step check (on by default; FSDP_COMPOSE_STEP_CHECK=0
+# turns it off: docs/design.md, "Divergence"); the others hold without it.
 STEP_CHECKED = {"extra_microbatch", "two_forwards", "gradient_sync", "all_reduce",
                 "catch_in_loss"}
 
 
 def _scenario(rank: int, world: int, name: str) -> None:
-    if name in STEP_CHECKED:  # (read when the root initialises)
-        os.environ["FSDP_COMPOSE_STEP_CHECK"] = "1"
-    else:
-        os.environ.pop("FSDP_COMPOSE_STEP_CHECK", None)
+    os.environ.pop("FSDP_COMPOSE_STEP_CHECK", None)  # the defaults
     last = world - 1
     if name == "extra_microbatch":  # the last rank runs 2 forward+backward per step
         _train(_model(), rank, microbatches=lambda s: 2 if rank == last and s == 1 else 1)
@@ -441,6 +438,17 @@ def test_two_models_alive_side_by_side_with_faults(world):
     for o in outcomes:
         losses, reference = o.value
         assert len(reference) == 3 and losses == reference, (losses, reference)
+
+
+def test_the_step_check_is_on_by_default_and_has_a_switch(monkeypatch):
+    from fsdp_compose import _divergence
+    monkeypatch.delenv("FSDP_COMPOSE_STEP_CHECK", raising=False)
+    assert _divergence.step_check_enabled()
+    for off in ("0", "false", "False"):
+        monkeypatch.setenv("FSDP_COMPOSE_STEP_CHECK", off)
+        assert not _divergence.step_check_enabled()
+    monkeypatch.setenv("FSDP_COMPOSE_STEP_CHECK", "1")
+    assert _divergence.step_check_enabled()
 
 
 def test_ranks_leave_a_step_at_different_points():
