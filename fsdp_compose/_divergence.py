@@ -16,19 +16,19 @@ what each rank did:
    fixed-size vector: the number of units and a hash of every unit's layout
    (FQNs, shapes, dtypes, requires_grad, shard sizes). Every rank gets the
    same result, so a mismatch is seen by all of them at once.
-2. **Step check** (a switch, off by default: it costs a collective round
-   trip per phase, 4-7% of a step on the overhead benchmark; see
-   docs/design.md). The same fixed-size all-reduce at the start of each root
-   forward (training or eval) and at the first hook of each outer backward,
-   before that phase's first collective: the phase, the optimizer steps so
-   far (counted by the optimizer step pre-hook, over optimizers holding
-   sharded parameters), the root forwards and backwards since the last
-   optimizer step, and a hash of the settings that shape the collective
-   schedule (gradient sync, HSDP all-reduce, trainable groups, resharding,
-   prefetch, buckets). Everything between two checks is a function of what
-   the check covers, so two ranks in different phases meet at the same
-   fixed-size collective instead of pairing it with a parameter all-gather,
-   see different vectors, and raise.
+2. **Step check** (on by default; FSDP_COMPOSE_STEP_CHECK=0 turns it off).
+   The same fixed-size all-reduce at the start of each root forward (training
+   or eval) and, on CUDA, at the first hook of each outer backward, before
+   that phase's first collective: the phase, the optimizer steps in the
+   root's lifetime (counted by the optimizer step pre-hook, over optimizers
+   holding parameters sharded over several ranks), the root forwards and
+   backwards since the last optimizer step, and a hash of the settings that
+   shape the collective schedule (gradient sync, HSDP all-reduce, trainable
+   groups, resharding, prefetch, buckets). Everything between two checks is
+   a function of what the check covers, so two ranks in different phases
+   meet at the same fixed-size collective instead of pairing it with a
+   parameter all-gather, see different vectors, and raise. On gloo the
+   backward's check is left out, see [Note: one check per step].
    On a mismatch each rank posts a few lines on what it did to the default
    store (``_compat.default_store``); the group's first rank reads them and
    posts a summary (the lines that differ, and which ranks said what), which
@@ -45,6 +45,30 @@ what each rank did:
    fails (a peer exited: gloo's connection error; the process group's
    timeout) becomes our error, naming the unit and the collective. Every ``DivergenceError`` posts its record, and a rank that
    raised one raises again at its next step without communicating.
+
+[Note: one check per step]
+On gloo a check is one collective round trip, as costly as a tiny all-gather
+(4-7% of a step on the overhead benchmark with two per step). Only the
+forward's is issued: a rank in a backward still never pairs a parameter
+collective with another rank's check. A check is an all-reduce, and gloo
+pairs only collectives of the same kind; the backward's first collective on
+a check's group is an all-gather (broadcasts), or a reduce-scatter on its own
+group, and every later one (an HSDP all-reduce across replicas included)
+waits for it. So the rank in the check and the rank in the backward both
+wait. That wait is resolved through the store: a rank
+waiting in a check for a slice posts its check's number and its position in
+every group's sequence of collectives (``next_op``, counted by
+_collectives); a rank blocked for a slice in a collective reads it, and if
+the peer waits in a check this rank has not issued and has not issued the
+collective this rank waits for, the peer never will: this rank raises a
+DivergenceError naming what both began and posts its record, which the peer
+reads within a slice. A peer that is merely slow has issued that collective
+(or is not waiting in a check), so nothing is raised. What the backward's
+check caught before is caught at the next forward's check (a different
+setting, a different number of backwards) or by that rule (one rank in a
+backward, the other in a forward); a setting changed between forward and
+backward on one rank only is seen at the next forward's check, or by the
+rule when a reduce-scatter is missing.
 
 On CUDA (NCCL) waits do not block the CPU: the step check's result is copied
 to the host behind an event and compared at the next check (or the one
@@ -78,7 +102,7 @@ class DivergenceError(RuntimeError):
 
 
 # The step check (2. in the Note): FSDP_COMPOSE_STEP_CHECK=1 / 0 turns it on /
-# off (read when a root initialises); unset: STEP_CHECK_DEFAULT. The lazy-init
+# off (read when a root initialises); unset: STEP_CHECK_DEFAULT (on). The lazy-init
 # check, the sliced waits and a step left half-done are always handled.
 STEP_CHECK_DEFAULT = True  # measured: docs/design.md, "Divergence"
 
@@ -148,11 +172,16 @@ _active: "weakref.ref | None" = None  # the StepChecks whose phase began last
 # peer never will (see StepChecks.before)
 # ---------------------------------------------------------------------------
 _positions: dict = {}  # process group name -> collectives _collectives issued on it
+_unsettled: "StepChecks | None" = None  # whose step check is issued, not yet compared
 _NAMES: dict = {}      # process group -> its name (alike on its members)
 
 
 def next_op(group) -> tuple:
-    """A collective is issued on ``group``: (its group's name, its position there)."""
+    """A collective is issued on ``group``: (its group's name, its position
+    there). First, a step check still in flight is waited for and compared
+    (``StepChecks.settle``): no collective of a phase before its check."""
+    if _unsettled is not None:
+        _unsettled.settle()
     name = _NAMES.get(group)
     if name is None:
         name = _NAMES[group] = (group if group is not None else dist.group.WORLD).group_name
@@ -398,6 +427,7 @@ class StepChecks:
         self.gloo = all(device.type != "cuda" for _, _, device in self.pgs)
         self.issued = 0
         self._began = lambda: []
+        self._pending: tuple | None = None  # a step check issued, not compared (settle)
         self.prefix: str | None = None
         self._counts = [0] * len(self.pgs)
         self._written: list[str] = []
@@ -440,6 +470,8 @@ class StepChecks:
         explains them in lines, on a mismatch."""
         global _active
         _active = self._ref
+        if _unsettled is not None:
+            _unsettled.settle()
         if not self.enabled:
             return
         if self._opt_seen != optimizer_steps - self._opt_base:
@@ -461,7 +493,7 @@ class StepChecks:
             return  # see [Note: one check per step]
         self.issued += 1
         with label("step_check", self.fqn):
-            self._issue(vec, lines)
+            self._issue(vec, lines, defer=self.gloo)
 
     def _post_waiting(self, vec: list[int], lines):
         """``stuck()`` for the wait of a step check: after its first slice,
@@ -540,6 +572,8 @@ class StepChecks:
         that did not leave it waits in a collective, sees this rank's word in
         the store and stops; or the positions differ) raise. Bounded: a rank
         that says nothing within AGREE_WAIT seconds counts as not having left."""
+        if _unsettled is not None:  # (the forward raised before its first collective)
+            _unsettled.settle()
         me = dist.get_rank()
         store = _store()
         if store is None:
@@ -604,9 +638,11 @@ class StepChecks:
             "'When ranks diverge').", exc=DivergenceError)
 
     # ----------------------------------------------------------------------
-    def _issue(self, vec: list[int], lines, wait_all: bool = False) -> None:
+    def _issue(self, vec: list[int], lines, wait_all: bool = False,
+               defer: bool = False) -> None:
         """All-reduce ``vec`` over each group; gloo: wait for all of them, then
-        compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
+        compare (every rank sees every mismatch of its groups), at once or
+        (``defer``) at ``settle``; CUDA: see the Note."""
         n = len(vec)
         issued = []
         for i, (pg, ranks, device) in enumerate(self.pgs):
@@ -625,6 +661,26 @@ class StepChecks:
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
                            t, check))
+        if defer and issued and not self._unread:  # see settle
+            global _unsettled
+            self._pending = (issued, vec, lines)
+            _unsettled = self
+            return
+        self._finish(issued, vec, lines)
+        if self._unread:
+            self._read(keep=0 if wait_all else 1)
+
+    def settle(self) -> None:
+        """Wait for the step check issued at the phase's start and compare:
+        before the phase's first collective (``next_op``), so that its round
+        trip overlaps the root's bookkeeping between the two."""
+        global _unsettled
+        _unsettled = None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._finish(*pending)
+
+    def _finish(self, issued: list, vec: list[int], lines) -> None:
         stuck, take_back = self._post_waiting(vec, lines) if vec[0] != LAZY_INIT \
             else (None, None)
         for work, _, _ in issued:
@@ -636,8 +692,6 @@ class StepChecks:
         if take_back is not None:
             take_back()
         self._compare([(t.tolist(), check) for _, t, check in issued])
-        if self._unread:
-            self._read(keep=0 if wait_all else 1)
 
     def _read(self, keep: int) -> None:
         """Compare the CUDA checks whose results arrived; wait (in slices, reading

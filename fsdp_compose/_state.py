@@ -324,7 +324,8 @@ def lazy_init_root(unit: Unit) -> None:
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
         ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units))
-        ctx.checks.lazy_init(_layout_lines(units))
+        ctx.checks.lazy_init(_layout_lines(units) + [
+            f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if ctx.checks.enabled else 'off'}"])
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
     for u in passive:

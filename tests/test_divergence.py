@@ -9,8 +9,10 @@ caught by the loop, which goes on). Every rank must end with our error (the
 exiting rank with its own), naming the unit, the collective and what the
 ranks did; none may hang. A different number of forwards or backwards,
 different settings and an exception caught between forward and backward
-need the step check (``STEP_CHECKED``: on through FSDP_COMPOSE_STEP_CHECK=1);
-the others hold with the defaults. See docs/design.md, "Divergence".
+need the step check (``STEP_CHECKED``), on by default: every scenario runs
+with the defaults. Models in sequence and side by side, with faults every
+rank raises alike, must not see each other's records (issue 27). See
+docs/design.md, "Divergence".
 """
 from __future__ import annotations
 
