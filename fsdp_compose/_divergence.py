@@ -756,9 +756,9 @@ _LINES, _LINE = 256, 400  # what a rank posts at most: lines, characters per lin
 def _explain(root: StepChecks, checks: list[tuple], lines: list[str]) -> str:
     """The lines that differ between ranks, and which ranks said what, for the
     first of ``checks`` ([(group ranks, check count)], the groups where this
-    rank saw a mismatch), under ``root``'s prefix. Every rank posts its lines to the store for each of
-    them; the first rank of each group summarises (bounded waits: a rank that
-    never posts is reported as silent)."""
+    rank saw a mismatch), under ``root``'s prefix. Every rank posts its lines
+    to the store for each of them; the first rank of each group summarises
+    (bounded waits: a rank that never posts is reported as silent)."""
     me = dist.get_rank()
     mine = "\n".join(f"  rank {me}: {line}" for line in lines)
     store = _store()
