@@ -172,7 +172,14 @@ _active: "weakref.ref | None" = None  # the StepChecks whose phase began last
 # peer never will (see StepChecks.before)
 # ---------------------------------------------------------------------------
 _positions: dict = {}  # process group name -> collectives _collectives issued on it
-_unsettled: "StepChecks | None" = None  # whose step check is issued, not yet compared
+_unsettled: "weakref.ref | None" = None  # whose step check is issued, not yet compared
+
+
+def settle() -> None:
+    """Wait for and compare a step check still in flight (see StepChecks.settle)."""
+    checks = _unsettled() if _unsettled is not None else None
+    if checks is not None:
+        checks.settle()
 _NAMES: dict = {}      # process group -> its name (alike on its members)
 
 
@@ -181,7 +188,7 @@ def next_op(group) -> tuple:
     there). First, a step check still in flight is waited for and compared
     (``StepChecks.settle``): no collective of a phase before its check."""
     if _unsettled is not None:
-        _unsettled.settle()
+        settle()
     name = _NAMES.get(group)
     if name is None:
         name = _NAMES[group] = (group if group is not None else dist.group.WORLD).group_name
@@ -471,7 +478,7 @@ class StepChecks:
         global _active
         _active = self._ref
         if _unsettled is not None:
-            _unsettled.settle()
+            settle()
         if not self.enabled:
             return
         if self._opt_seen != optimizer_steps - self._opt_base:
@@ -534,7 +541,8 @@ class StepChecks:
         position there)): a record of a rank of this root that waits in a step
         check this rank has not issued, and has not issued ``at``: it will not
         (it waits for this rank's check), so the ranks diverged."""
-        if self.prefix is None or store.add(self.key("waiting/n"), 0) <= 0:
+        n = self.key("waiting/n")
+        if self.prefix is None or not store.check([n]) or int(store.get(n)) <= 0:
             return None
         me = dist.get_rank()
         for r in self.members:
@@ -573,7 +581,7 @@ class StepChecks:
         the store and stops; or the positions differ) raise. Bounded: a rank
         that says nothing within AGREE_WAIT seconds counts as not having left."""
         if _unsettled is not None:  # (the forward raised before its first collective)
-            _unsettled.settle()
+            settle()
         me = dist.get_rank()
         store = _store()
         if store is None:
@@ -664,7 +672,7 @@ class StepChecks:
         if defer and issued and not self._unread:  # see settle
             global _unsettled
             self._pending = (issued, vec, lines)
-            _unsettled = self
+            _unsettled = self._ref
             return
         self._finish(issued, vec, lines)
         if self._unread:

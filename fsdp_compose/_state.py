@@ -337,6 +337,9 @@ def lazy_init_root(unit: Unit) -> None:
 def _forward_ended(unit: Unit):
     def hook(module, args, output):
         unit.forward_ended()
+        # a step check not waited for yet (a forward without collectives): now,
+        # not at some later collective (see StepChecks.settle)
+        _divergence.settle()
     return torch.compiler.disable(hook, reason="fsdp_compose's forward hooks run eagerly")
 
 
