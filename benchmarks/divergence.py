@@ -7,8 +7,9 @@ One set of rank processes trains the shape's model (fsdp_compose on each
 block, then the root; AdamW; forward + MSE loss + backward + step +
 zero_grad). Rounds rotate three modes in the same processes (the order
 rotates too), after warmup steps:
-  check  the step check at every root forward and backward start, and gloo
-         works waited in slices (``_divergence.wait``);
+  check  the step check (the default: on gloo at every root forward start, see
+         [Note: one check per step]), and gloo works waited in slices
+         (``_divergence.wait``);
   waits  the sliced waits only (the step check off);
   off    neither: a plain ``wait()``, as before the checks existed.
 The lazy-init check runs once, before the timing. Per round and mode: the
@@ -53,18 +54,25 @@ def _worker_entry(cfg_path: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = make_data(shape, 0, rank, 1, torch.device("cpu"))
     x, y = data[0]
-    sliced, plain = _divergence.wait, (lambda work: work.wait())
+    sliced, plain = _divergence.wait, (lambda work, *_, **__: work.wait())
     inside = [0.0, 0.0, 0]  # wall, CPU seconds inside the step checks; checks
 
     def timed_before(self, *args, _real=_divergence.StepChecks.before):
         if not self.enabled:
             return _real(self, *args)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, n = time.perf_counter(), time.process_time(), self.issued
         _real(self, *args)
         inside[0] += time.perf_counter() - t0
         inside[1] += time.process_time() - c0
-        inside[2] += 1
+        inside[2] += self.issued - n  # (on gloo: at forward starts only)
     _divergence.StepChecks.before = timed_before
+
+    def timed_settle(self, _real=_divergence.StepChecks.settle):  # (its wait, deferred)
+        t0, c0 = time.perf_counter(), time.process_time()
+        _real(self)
+        inside[0] += time.perf_counter() - t0
+        inside[1] += time.process_time() - c0
+    _divergence.StepChecks.settle = timed_settle
 
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()

@@ -117,12 +117,12 @@ class _Works:
     already complete (``async_op=False``). Only works that block the CPU (gloo,
     CPU tensors): they are waited in slices (``_divergence.wait``)."""
 
-    def __init__(self, works: list):
-        self._works = works
+    def __init__(self, works: list, at: tuple | None = None):
+        self._works, self._at = works, at  # at: (group name, position), see _divergence.next_op
 
     def wait(self) -> bool:
         for w in self._works:
-            _divergence.wait(w)
+            _divergence.wait(w, self._at)
         self._works = []
         return True
 
@@ -132,15 +132,15 @@ class ReduceScatterWork:
     waiting again returns the same tensor without touching the collective
     (waiting a gloo work twice copies its result again)."""
 
-    def __init__(self, work, output: torch.Tensor | None, finish=None):
-        self._work, self._finish, self.output = work, finish, output
+    def __init__(self, work, output: torch.Tensor | None, finish=None, at: tuple | None = None):
+        self._work, self._finish, self.output, self._at = work, finish, output, at
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             if isinstance(self._work, _Works):  # (a 2-rank exchange: waited in slices)
                 self._work.wait()
             elif self.output is None or self.output.device.type == "cpu":  # blocks the CPU
-                _divergence.wait(self._work)
+                _divergence.wait(self._work, self._at)
             else:
                 self._work.wait()
             self._work = None
@@ -182,6 +182,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     group of broadcasts, no copy), on gloo the broadcasts below."""
     _stats.all_gather_calls += 1
     _stats.all_gather_bytes += _nbytes(output)
+    at = _divergence.next_op(group)
     gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
         if bounds is not None:
@@ -196,7 +197,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
         chunks[rank].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=async_op)
              for r in range(world) if bounds is None or chunks[r].numel()]
-    return _Works(works if async_op else [])
+    return _Works(works if async_op else [], at)
 
 
 def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
@@ -211,6 +212,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     reduces; on gloo the all-reduce below)."""
     _stats.reduce_scatter_calls += 1
     _stats.reduce_scatter_bytes += _nbytes(flat_grad)
+    at = _divergence.next_op(group)
     gloo = (_in_place_gloo(flat_grad, group) if bounds is None
             else _uneven_in_place(group, flat_grad))
     if gloo is None:
@@ -228,7 +230,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         return ReduceScatterWork(work if async_op else None, out)
     rank, world = gloo
     if async_op and world == 2 and _nbytes(flat_grad) <= P2P_MAX_BYTES:
-        return _exchange(flat_grad, group, op, out, rank, bounds)
+        return _exchange(flat_grad, group, op, out, rank, at, bounds)
     mine = _pieces(flat_grad, world, bounds)[rank]
     if out is not None:
         def finish():
@@ -240,10 +242,10 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     if not async_op:
         return ReduceScatterWork(None, finish())
-    return ReduceScatterWork(work, None, finish)
+    return ReduceScatterWork(work, None, finish, at)
 
 
-def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int,
+def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int, at,
               bounds: tuple | None = None) -> ReduceScatterWork:
     """A small reduce-scatter over 2 gloo ranks as a point-to-point exchange
     (see the Note): the peer's chunk out, ours in, one addition."""
@@ -259,7 +261,7 @@ def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int,
             res.div_(2)
         return res
 
-    return ReduceScatterWork(_Works(works), None, finish)
+    return ReduceScatterWork(_Works(works, at), None, finish)
 
 
 def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
@@ -275,13 +277,14 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
     device type cpu") goes through the group's device and back."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
+    at = _divergence.next_op(group)
     device = _group_device(group, tensor.device)
     if blocks_cpu is None:
         blocks_cpu = device.type == "cpu"
     if device == tensor.device and blocks_cpu:  # in slices
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         try:
-            _divergence.wait(work)
+            _divergence.wait(work, at)
         except _divergence.CollectiveStopped as e:
             if what is None:
                 raise
@@ -304,13 +307,14 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     backend for go through the group's device and back."""
     _stats.all_to_all_calls += 1
     _stats.all_to_all_bytes += _nbytes(input)
+    at = _divergence.next_op(group)
     device = _group_device(group, input.device)
     src = input if input.device == device else input.to(device)
     dst = output if output.device == device else torch.empty_like(output, device=device)
     work = dist.all_to_all_single(dst, src, output_splits, input_splits, group=group,
                                   async_op=True)
     if device.type == "cpu":  # blocks the CPU: in slices (a peer that stopped is noticed)
-        _divergence.wait(work)
+        _divergence.wait(work, at)
     else:
         work.wait()
     if dst is not output:
@@ -328,9 +332,10 @@ def min_across(values: list[int], groups: list) -> list[int]:
     for group in groups:
         t = t.to(_group_device(group, t.device))
         _count_all_reduce(t)
+        at = _divergence.next_op(group)
         if t.device.type == "cpu":
             _divergence.wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group,
-                                             async_op=True))
+                                             async_op=True), at)
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return t.tolist()
@@ -342,6 +347,7 @@ def min_in_place(t: torch.Tensor, groups: list) -> _Works:
     stream manager's side stream)."""
     for group in groups:
         _count_all_reduce(t)
+        _divergence.next_op(group)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return _Works([])
 
@@ -368,7 +374,8 @@ def all_reduce_async(tensor: torch.Tensor, op, group, async_op: bool = True):
     [Note: side streams] in _streams.py."""
     _stats.all_reduce_calls += 1
     _stats.all_reduce_bytes += _nbytes(tensor)
+    at = _divergence.next_op(group)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if not async_op:
         return _Works([])
-    return _Works([work]) if tensor.device.type == "cpu" else work
+    return _Works([work], at) if tensor.device.type == "cpu" else work

@@ -16,19 +16,19 @@ what each rank did:
    fixed-size vector: the number of units and a hash of every unit's layout
    (FQNs, shapes, dtypes, requires_grad, shard sizes). Every rank gets the
    same result, so a mismatch is seen by all of them at once.
-2. **Step check** (a switch, off by default: it costs a collective round
-   trip per phase, 4-7% of a step on the overhead benchmark; see
-   docs/design.md). The same fixed-size all-reduce at the start of each root
-   forward (training or eval) and at the first hook of each outer backward,
-   before that phase's first collective: the phase, the optimizer steps so
-   far (counted by the optimizer step pre-hook, over optimizers holding
-   sharded parameters), the root forwards and backwards since the last
-   optimizer step, and a hash of the settings that shape the collective
-   schedule (gradient sync, HSDP all-reduce, trainable groups, resharding,
-   prefetch, buckets). Everything between two checks is a function of what
-   the check covers, so two ranks in different phases meet at the same
-   fixed-size collective instead of pairing it with a parameter all-gather,
-   see different vectors, and raise.
+2. **Step check** (on by default; FSDP_COMPOSE_STEP_CHECK=0 turns it off).
+   The same fixed-size all-reduce at the start of each root forward (training
+   or eval) and, on CUDA, at the first hook of each outer backward, before
+   that phase's first collective: the phase, the optimizer steps in the
+   root's lifetime (counted by the optimizer step pre-hook, over optimizers
+   holding parameters sharded over several ranks), the root forwards and
+   backwards since the last optimizer step, and a hash of the settings that
+   shape the collective schedule (gradient sync, HSDP all-reduce, trainable
+   groups, resharding, prefetch, buckets). Everything between two checks is
+   a function of what the check covers, so two ranks in different phases
+   meet at the same fixed-size collective instead of pairing it with a
+   parameter all-gather, see different vectors, and raise. On gloo the
+   backward's check is left out, see [Note: one check per step].
    On a mismatch each rank posts a few lines on what it did to the default
    store (``_compat.default_store``); the group's first rank reads them and
    posts a summary (the lines that differ, and which ranks said what), which
@@ -45,6 +45,30 @@ what each rank did:
    fails (a peer exited: gloo's connection error; the process group's
    timeout) becomes our error, naming the unit and the collective. Every ``DivergenceError`` posts its record, and a rank that
    raised one raises again at its next step without communicating.
+
+[Note: one check per step]
+On gloo a check is one collective round trip, as costly as a tiny all-gather
+(4-7% of a step on the overhead benchmark with two per step). Only the
+forward's is issued: a rank in a backward still never pairs a parameter
+collective with another rank's check. A check is an all-reduce, and gloo
+pairs only collectives of the same kind; the backward's first collective on
+a check's group is an all-gather (broadcasts), or a reduce-scatter on its own
+group, and every later one (an HSDP all-reduce across replicas included)
+waits for it. So the rank in the check and the rank in the backward both
+wait. That wait is resolved through the store: a rank
+waiting in a check for a slice posts its check's number and its position in
+every group's sequence of collectives (``next_op``, counted by
+_collectives); a rank blocked for a slice in a collective reads it, and if
+the peer waits in a check this rank has not issued and has not issued the
+collective this rank waits for, the peer never will: this rank raises a
+DivergenceError naming what both began and posts its record, which the peer
+reads within a slice. A peer that is merely slow has issued that collective
+(or is not waiting in a check), so nothing is raised. What the backward's
+check caught before is caught at the next forward's check (a different
+setting, a different number of backwards) or by that rule (one rank in a
+backward, the other in a forward); a setting changed between forward and
+backward on one rank only is seen at the next forward's check, or by the
+rule when a reduce-scatter is missing.
 
 On CUDA (NCCL) waits do not block the CPU: the step check's result is copied
 to the host behind an event and compared at the next check (or the one
@@ -78,9 +102,9 @@ class DivergenceError(RuntimeError):
 
 
 # The step check (2. in the Note): FSDP_COMPOSE_STEP_CHECK=1 / 0 turns it on /
-# off (read when a root initialises); unset: STEP_CHECK_DEFAULT. The lazy-init
+# off (read when a root initialises); unset: STEP_CHECK_DEFAULT (on). The lazy-init
 # check, the sliced waits and a step left half-done are always handled.
-STEP_CHECK_DEFAULT = False  # measured: docs/design.md, "Divergence"
+STEP_CHECK_DEFAULT = True  # measured: docs/design.md, "Divergence"
 
 
 def step_check_enabled() -> bool:
@@ -89,7 +113,6 @@ def step_check_enabled() -> bool:
 
 SLICE = timedelta(seconds=1)       # a blocked wait reads the store this often
 EXPLAIN_WAIT = timedelta(seconds=10)  # for the other ranks' lines on a mismatch
-_STOPPED_KEY = "fsdp_compose/stopped"
 
 LAZY_INIT, FORWARD, EVAL_FORWARD, BACKWARD = 0, 1, 2, 3
 PHASES = {LAZY_INIT: "lazy init", FORWARD: "a training forward",
@@ -99,7 +122,7 @@ _MASK = (1 << 62) - 1  # hashes fit an int64 and its negation
 # ---------------------------------------------------------------------------
 # Optimizer steps over sharded parameters (written by _torch_hooks' step pre-hook)
 # ---------------------------------------------------------------------------
-optimizer_steps = 0
+optimizer_steps = 0  # a counter only: each root counts the steps taken in its lifetime
 
 
 def count_optimizer_step() -> None:
@@ -122,8 +145,56 @@ def settings_changed() -> None:
 
 # ---------------------------------------------------------------------------
 # The store: records of ranks that stopped (3. in the Note)
+#
+# [Note: divergence records are per root]
+# Every record is keyed by the root it belongs to, never by what another
+# model in the same process could share (a unit FQN: every root's is '', the
+# ranks, a counter of checks): ``StepChecks.prefix`` names the root's
+# lifetime (the n-th root this process made over these ranks and process
+# groups, agreed in the lazy-init check) and its groups. A root's store keys
+# live under it: the words of a step left half-done (deleted by the last rank
+# to read them), the lines of a mismatch; the keys this rank wrote are
+# deleted when the root is freed (``weakref.finalize``). A stop is also
+# recorded per process group: after a DivergenceError a rank may still have
+# a collective in flight there, so every root on that group (the model that
+# raised, one alive beside it, one made later) raises instead of pairing its
+# collectives with it. A model on other process groups is not affected.
 # ---------------------------------------------------------------------------
-_stopped: dict = {}  # default process group -> this process's first record
+_stopped: dict = {}      # root prefix -> this process's record, while the root lives
+_stopped_pgs: dict = {}  # process group key ("*": unknown) -> this process's first record
+_active: "weakref.ref | None" = None  # the StepChecks whose phase began last
+
+
+# ---------------------------------------------------------------------------
+# Where each rank is in each process group's sequence of collectives (the
+# ones _collectives issues): a rank that waits in a step check posts these,
+# and a rank blocked in a collective its peer has not issued learns that the
+# peer never will (see StepChecks.before)
+# ---------------------------------------------------------------------------
+_positions: dict = {}  # process group name -> collectives _collectives issued on it
+_unsettled: "weakref.ref | None" = None  # whose step check is issued, not yet compared
+
+
+def settle() -> None:
+    """Wait for and compare a step check still in flight (see StepChecks.settle)."""
+    checks = _unsettled() if _unsettled is not None else None
+    if checks is not None:
+        checks.settle()
+_NAMES: dict = {}      # process group -> its name (alike on its members)
+
+
+def next_op(group) -> tuple:
+    """A collective is issued on ``group``: (its group's name, its position
+    there). First, a step check still in flight is waited for and compared
+    (``StepChecks.settle``): no collective of a phase before its check."""
+    if _unsettled is not None:
+        settle()
+    name = _NAMES.get(group)
+    if name is None:
+        name = _NAMES[group] = (group if group is not None else dist.group.WORLD).group_name
+    at = _positions.get(name, 0) + 1
+    _positions[name] = at
+    return name, at
 
 
 def _store():
@@ -133,36 +204,82 @@ def _store():
         return None
 
 
-def stop(record: str) -> None:
-    """This rank stops communicating: say why, to the other ranks and to later calls."""
-    _stopped.setdefault(dist.group.WORLD, record)
+def _pg_key(pg, ranks: tuple) -> str:
+    """A process group, named alike on its members: torch's group name and its ranks."""
+    return f"{pg.group_name}:{len(ranks)}:{zlib.crc32(repr(ranks).encode()):08x}"
+
+
+def _pg_stop_key(pg_key: str) -> str:
+    return f"fsdp_compose/pg/{pg_key}/stopped"
+
+
+def stop(record: str, checks: "StepChecks | None" = None) -> None:
+    """This rank stops communicating on ``checks``' groups (default: the root
+    whose phase runs): say why, to the other ranks and to later calls."""
+    if checks is None:
+        checks = _active() if _active is not None else None
+    keys = []
+    if checks is not None:
+        if checks.prefix is not None:
+            _stopped.setdefault(checks.prefix, record)
+            keys += [checks.key("stopped"), checks.key(f"stopped/{dist.get_rank()}")]
+        for k in checks.pg_keys:
+            _stopped_pgs.setdefault(k, record)
+            keys.append(_pg_stop_key(k))
+    else:
+        _stopped_pgs.setdefault("*", record)
+        keys.append(_pg_stop_key("*"))
     store = _store()
     if store is not None:
         try:
-            store.set(_STOPPED_KEY, record)
+            for key in keys:
+                store.set(key, record)
         except RuntimeError:  # the store's host (rank 0's process) is gone
             pass
 
 
-def stopped_here() -> str | None:
-    """This process's record, if it stopped (raised a DivergenceError)."""
-    return _stopped.get(dist.group.WORLD) if dist.is_initialized() else None
+def stopped_here(checks: "StepChecks | None") -> str | None:
+    """This process's record, if it stopped (raised a DivergenceError) on
+    ``checks``' root or on one of its process groups."""
+    if not (_stopped or _stopped_pgs):
+        return None
+    if checks is not None:
+        record = _stopped.get(checks.prefix)
+        if record is not None:
+            return record
+        for k in checks.pg_keys:
+            if k in _stopped_pgs:
+                return _stopped_pgs[k]
+    return _stopped_pgs.get("*")
 
 
-def peer_record() -> str | None:
-    """A record another rank posted, if any (a store round trip per root):
-    one that stopped, or one that left a step half-done (see StepChecks.left)."""
+def peer_record(at: tuple | None = None) -> str | None:
+    """A record another rank posted, if any (store round trips per live root):
+    one that stopped, one that left a step half-done (see StepChecks.left), or,
+    for a rank blocked in the collective ``at`` ((group name, position)), one
+    waiting in a step check this rank has not reached, that has not issued
+    ``at`` (see StepChecks.before)."""
     store = _store()
     if store is None:
         return None
     try:
-        if store.check([_STOPPED_KEY]):
-            return store.get(_STOPPED_KEY).decode(errors="replace")
-        for checks in list(_ROOTS):
+        roots = [c for c in list(_ROOTS) if c.prefix is not None]
+        stop_keys = [c.key("stopped") for c in roots]
+        stop_keys += [_pg_stop_key(k) for k in {k for c in roots for k in c.pg_keys}]
+        stop_keys.append(_pg_stop_key("*"))
+        for key in stop_keys:
+            if store.check([key]):
+                return store.get(key).decode(errors="replace")
+        for checks in roots:
             key = checks.left_key("count")
             if store.check([key]):
                 return (f"{_ranks(_left_ranks(store, checks))} left a step half-done (an "
                         "exception inside its forward or backward)")
+        if at is not None:
+            for checks in roots:
+                record = checks.waiting_peer(store, at)
+                if record is not None:
+                    return record
     except RuntimeError:
         return "the store's host (rank 0's process) is gone"
     return None
@@ -172,12 +289,14 @@ def _left_ranks(store, checks) -> list[int]:
     return [r for r in checks.members if store.check([checks.left_key(r)])]
 
 
-def raise_if_stopped(fqn: str) -> None:
-    record = stopped_here()
+def raise_if_stopped(fqn: str, checks: "StepChecks | None" = None) -> None:
+    record = stopped_here(checks)
     if record is not None:
         raise unit_error(fqn, f"this rank stopped communicating after an earlier error "
-                         f"({record}); the ranks' collectives no longer match.",
-                         "Let the first DivergenceError end the job (on every rank).",
+                         f"({record}); the ranks' collectives on this model's process groups "
+                         "no longer match.",
+                         "Let the first DivergenceError end the job (on every rank); a model "
+                         "built after it needs process groups of its own.",
                          exc=DivergenceError)
 
 
@@ -193,12 +312,14 @@ class CollectiveStopped(DivergenceError):
         self.reason = reason
 
 
-def wait(work) -> None:
+def wait(work, at: tuple | None = None, stuck=None) -> None:
     """``work.wait()`` for a collective that blocks the CPU (gloo), in slices:
     between slices, read the store for a record of a rank that stopped. A
     work whose slice timed out stays usable (gloo: ``wait(timeout)`` raises,
     the collective goes on). Raises ``CollectiveStopped`` (and posts this
-    rank's record) if it failed or another rank stopped."""
+    rank's record) if it failed or another rank stopped. ``at``: the
+    collective's (group name, position), see ``peer_record``; ``stuck()`` is
+    called after every slice that went by."""
     while True:
         try:
             work.wait(SLICE)
@@ -222,7 +343,9 @@ def wait(work) -> None:
                            "fsdp_compose: its own error is in its log")
             stop(f"rank {rank()} stopped: a collective it waited for failed")
             raise CollectiveStopped(reason) from failure
-        record = peer_record()
+        if stuck is not None:
+            stuck()
+        record = peer_record(at)
         if record is not None:
             stop(f"rank {rank()} stopped: {record}")
             raise CollectiveStopped(record)
@@ -252,13 +375,32 @@ _FIX = ("Every rank must run the same forwards and backwards of the model betwee
 # ---------------------------------------------------------------------------
 # The checks (1. and 2. in the Note)
 # ---------------------------------------------------------------------------
+def _crc(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _forget(prefix: str, written: list[str]) -> None:
+    """A root was freed: delete the store keys this rank wrote for it, and its
+    record (see [Note: divergence records are per root])."""
+    _stopped.pop(prefix, None)
+    store = _store() if written else None
+    if store is None:
+        return
+    for key in written:
+        try:
+            store.delete_key(key)
+        except RuntimeError:  # the store's host is gone: nothing left to clean
+            return
+
+
 def stable_hash(text: str) -> int:
     """A hash that is the same in every process (``hash(str)`` is salted)."""
     return zlib.crc32(text.encode())
 
 
-_check_counts: dict = {}  # process group ranks -> checks issued on it (store keys)
 _ROOTS: "weakref.WeakSet[StepChecks]" = weakref.WeakSet()  # read by peer_record
+_roots_made = 0  # the highest root id this process took part in (see lazy_init)
+_AGREED = (3, 4)  # fields of the lazy-init vector that differ by rank: max and min taken
 AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the others' word
 
 
@@ -270,33 +412,77 @@ class StepChecks:
         # [(process group, its ranks, the device of its tensors)]
         self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg)), device)
                     for pg, device in pgs]
+        self.pg_keys = [_pg_key(pg, ranks) for pg, ranks, _ in self.pgs]
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
         self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
         self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
-        self._opt_seen = optimizer_steps
+        self._opt_base = optimizer_steps  # optimizer steps before this root existed
+        self._opt_seen = 0  # ... and since, at the last check
         self.forwards = 0   # root forwards since the last optimizer step
         self.backwards = 0  # backwards (outer) since the last optimizer step
         # every rank the checks reach, and the steps they left half-done together
         self.members = sorted({r for _, ranks, _ in self.pgs for r in ranks})
         self.left_together = 0
+        # this root's lifetime (see [Note: divergence records are per root]):
+        # set by lazy_init; the checks issued per group; the store keys this
+        # rank wrote (deleted when the root is freed)
+        self._agreed: list[int] = []  # lazy init: max and -min of the _AGREED fields
+        # gloo: the step check runs at forward starts only (see before); the
+        # checks issued (a rank waiting in one posts its number), and what
+        # this rank began last (for a peer's error)
+        self.gloo = all(device.type != "cuda" for _, _, device in self.pgs)
+        self.issued = 0
+        self._began = lambda: []
+        self._pending: tuple | None = None  # a step check issued, not compared (settle)
+        self.prefix: str | None = None
+        self._counts = [0] * len(self.pgs)
+        self._written: list[str] = []
+        self._ref = weakref.ref(self)
         _ROOTS.add(self)
 
+    def key(self, what: str) -> str:
+        """A store key of this root (before lazy init has named it: of the lazy-init check)."""
+        return f"{self.prefix or 'fsdp_compose/lazy_init'}/{what}"
+
     def lazy_init(self, layout: list[str]) -> None:
-        """``layout``: one line per unit, what every rank must have alike."""
-        vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK, 0, 0]
+        """``layout``: one line per unit, what every rank must have alike. Also
+        names this root's lifetime alike on every rank of its groups (see
+        [Note: divergence records are per root]): the highest of the ranks'
+        "roots I took part in, plus one" and the lowest rank (two roots alive
+        at once share a rank, whose count tells them apart, or have different
+        lowest ranks)."""
+        global _roots_made
+        for k in self.pg_keys:  # a group an earlier model stopped on
+            if k in _stopped_pgs:
+                raise_if_stopped(self.fqn, self)
+        vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK,
+               _roots_made + 1, -dist.get_rank()]
         with label("step_check", self.fqn):
             self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
+        made, low = self._agreed[0], self._agreed[1]
+        if len(self.pgs) > 1:  # (HSDP) over the shard group, what its members saw elsewhere
+            pg, _, device = self.pgs[0]
+            t = torch.tensor([made, low], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            made, low = t.tolist()
+        _roots_made = max(_roots_made, made)
+        self.prefix = f"fsdp_compose/root/{made}/{-low}"
+        weakref.finalize(self, _forget, self.prefix, self._written).atexit = False
 
     def before(self, phase: int, settings: tuple, describe) -> None:
         """At the start of ``phase`` (FORWARD, EVAL_FORWARD, BACKWARD), before
         its first collective. ``settings``: the schedule settings (hashable,
         ints and bools only: the same hash in every process); ``describe()``
         explains them in lines, on a mismatch."""
+        global _active
+        _active = self._ref
+        if _unsettled is not None:
+            settle()
         if not self.enabled:
             return
-        if self._opt_seen != optimizer_steps:
-            self._opt_seen, self.forwards, self.backwards = optimizer_steps, 0, 0
+        if self._opt_seen != optimizer_steps - self._opt_base:
+            self._opt_seen, self.forwards, self.backwards = optimizer_steps - self._opt_base, 0, 0
         steps, fwd, bwd = self._opt_seen, self.forwards, self.backwards
         vec = [phase, steps, fwd, bwd, hash(settings) & _MASK]
 
@@ -309,12 +495,82 @@ class StepChecks:
             self.backwards += 1
         else:
             self.forwards += 1
+        self._began = lines
+        if phase == BACKWARD and self.gloo:
+            return  # see [Note: one check per step]
+        self.issued += 1
         with label("step_check", self.fqn):
-            self._issue(vec, lines)
+            self._issue(vec, lines, defer=self.gloo)
+
+    def _post_waiting(self, vec: list[int], lines):
+        """``stuck()`` for the wait of a step check: after its first slice,
+        post where this rank is (its check's number, its position in every
+        group, what it began) for the ranks blocked elsewhere; returns also
+        the function that takes the post back once the check completed."""
+        posted = []
+
+        def stuck():
+            if posted:
+                return
+            store = _store()
+            if store is None:
+                return
+            record = json.dumps({"check": self.issued, "at": _positions, "phase": vec[0],
+                                 "lines": [x[:_LINE] for x in lines()[:_LINES]]})
+            try:
+                key = self.key(f"waiting/{dist.get_rank()}")
+                store.set(key, record)
+                store.add(self.key("waiting/n"), 1)
+                self._written += [key, self.key("waiting/n")]
+                posted.append(key)
+            except RuntimeError:
+                pass
+
+        def take_back():
+            if posted:
+                store = _store()
+                try:
+                    store.delete_key(posted[0])
+                    store.add(self.key("waiting/n"), -1)
+                except (RuntimeError, AttributeError):
+                    pass
+        return stuck, take_back
+
+    def waiting_peer(self, store, at: tuple) -> str | None:
+        """For a rank blocked in the collective ``at`` ((group name, its
+        position there)): a record of a rank of this root that waits in a step
+        check this rank has not issued, and has not issued ``at``: it will not
+        (it waits for this rank's check), so the ranks diverged."""
+        n = self.key("waiting/n")
+        if self.prefix is None or not store.check([n]) or int(store.get(n)) <= 0:
+            return None
+        me = dist.get_rank()
+        for r in self.members:
+            key = self.key(f"waiting/{r}")
+            if r == me or not store.check([key]):
+                continue
+            peer = json.loads(store.get(key))
+            if peer["check"] <= self.issued or peer["at"].get(at[0], 0) >= at[1]:
+                continue
+            summary = _summarize(tuple(sorted((me, r))), {r: peer["lines"], me: self._began()})
+            record = (f"rank {r} waits in the step check at {PHASES[peer['phase']]} of unit "
+                      f"'{self.fqn or '<root>'}' and has not issued the collective this rank "
+                      f"waits for (#{at[1]} on its group): the ranks diverged. What they "
+                      f"began:\n{summary}\n")
+            # Say so, and give the waiting rank a few slices to read it (if this
+            # rank exits, the store, hosted by rank 0, may go with it).
+            stop(f"rank {me} stopped: {record}", self)
+            deadline = time.monotonic() + 3 * SLICE.total_seconds()
+            try:
+                while time.monotonic() < deadline and not store.check([self.key(f"stopped/{r}")]):
+                    time.sleep(0.05)
+            except RuntimeError:  # it read it and exited, and the store went with rank 0
+                pass
+            return record
+        return None
 
     def left_key(self, what) -> str:
-        members = ",".join(map(str, self.members))
-        return f"fsdp_compose/left/{self.fqn}/{members}/{self.left_together}/{what}"
+        return f"{self.prefix}/left/{self.left_together}/{what}"
 
     def left(self, position: int, where: str) -> None:
         """This rank left its last step half-done (an exception inside forward
@@ -324,12 +580,16 @@ class StepChecks:
         that did not leave it waits in a collective, sees this rank's word in
         the store and stops; or the positions differ) raise. Bounded: a rank
         that says nothing within AGREE_WAIT seconds counts as not having left."""
+        if _unsettled is not None:  # (the forward raised before its first collective)
+            settle()
         me = dist.get_rank()
         store = _store()
         if store is None:
             self._left_error(where, position, "the others cannot be asked (no store)")
         try:
-            store.set(self.left_key(me), str(position))
+            mine = self.left_key(me)
+            self._written += [mine, self.left_key("count")]
+            store.set(mine, str(position))
             store.add(self.left_key("count"), 1)  # what the others' waits look for
             keys = [self.left_key(r) for r in self.members]
             deadline = time.monotonic() + AGREE_WAIT
@@ -338,14 +598,19 @@ class StepChecks:
                     store.wait(keys, SLICE)
                     break
                 except RuntimeError:  # a slice went by: did a rank stop instead?
-                    if store.check([_STOPPED_KEY]):
-                        self._left_error(where, position,
-                                         store.get(_STOPPED_KEY).decode(errors="replace"))
+                    record = self._stop_record(store)
+                    if record is not None:
+                        self._left_error(where, position, record)
                     if time.monotonic() > deadline:
                         silent = [r for r in self.members if not store.check([self.left_key(r)])]
                         self._left_error(where, position, f"{_ranks(silent)} did not leave it "
                                          f"(no word within {AGREE_WAIT:.0f} s)")
             said = dict(zip(self.members, (int(v) for v in store.multi_get(keys))))
+            if len(set(said.values())) == 1:  # in step: the last rank to read deletes the words
+                self._written.append(self.left_key("read"))
+                if store.add(self.left_key("read"), 1) == len(self.members):
+                    for key in keys + [self.left_key("count"), self.left_key("read")]:
+                        store.delete_key(key)
         except RuntimeError as e:  # (DivergenceError is one: let it through)
             if isinstance(e, DivergenceError):
                 raise
@@ -359,9 +624,16 @@ class StepChecks:
                                          for p, rs in sorted(by.items())))
         self.left_together += 1  # every rank alike: in step, the next word goes elsewhere
 
+    def _stop_record(self, store) -> str | None:
+        """A record a rank posted on stopping on this root or one of its groups."""
+        for key in [self.key("stopped")] + [_pg_stop_key(k) for k in self.pg_keys]:
+            if store.check([key]):
+                return store.get(key).decode(errors="replace")
+        return None
+
     def _left_error(self, where: str, position: int, why: str) -> None:
         stop(f"rank {rank()} left a step half-done ({where}) after collective #{position} and "
-             "stopped communicating")
+             "stopped communicating", self)
         raise unit_error(
             self.fqn, f"this rank left its last step half-done: an exception was raised inside "
             f"its forward or backward ({where}) after some of the step's collectives, and not "
@@ -374,15 +646,17 @@ class StepChecks:
             "'When ranks diverge').", exc=DivergenceError)
 
     # ----------------------------------------------------------------------
-    def _issue(self, vec: list[int], lines, wait_all: bool = False) -> None:
+    def _issue(self, vec: list[int], lines, wait_all: bool = False,
+               defer: bool = False) -> None:
         """All-reduce ``vec`` over each group; gloo: wait for all of them, then
-        compare (every rank sees every mismatch of its groups); CUDA: see the Note."""
+        compare (every rank sees every mismatch of its groups), at once or
+        (``defer``) at ``settle``; CUDA: see the Note."""
         n = len(vec)
         issued = []
-        for pg, ranks, device in self.pgs:
-            count = _check_counts.get(ranks, 0)
-            _check_counts[ranks] = count + 1
-            check = (vec, lines, ranks, count)
+        for i, (pg, ranks, device) in enumerate(self.pgs):
+            count = self._counts[i]
+            self._counts[i] = count + 1
+            check = (vec, lines, ranks, f"{self.pg_keys[i]}/{count}")
             t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
             if device.type == "cuda":  # see the Note: read at a later check
                 t = t.pin_memory().to(device, non_blocking=True)  # (pageable: a stream sync)
@@ -395,15 +669,37 @@ class StepChecks:
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
                            t, check))
+        if defer and issued and not self._unread:  # see settle
+            global _unsettled
+            self._pending = (issued, vec, lines)
+            _unsettled = self._ref
+            return
+        self._finish(issued, vec, lines)
+        if self._unread:
+            self._read(keep=0 if wait_all else 1)
+
+    def settle(self) -> None:
+        """Wait for the step check issued at the phase's start and compare:
+        before the phase's first collective (``next_op``), so that its round
+        trip overlaps the root's bookkeeping between the two."""
+        global _unsettled
+        _unsettled = None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._finish(*pending)
+
+    def _finish(self, issued: list, vec: list[int], lines) -> None:
+        stuck, take_back = self._post_waiting(vec, lines) if vec[0] != LAZY_INIT \
+            else (None, None)
         for work, _, _ in issued:
             try:
-                wait(work)
+                wait(work, stuck=stuck)
             except CollectiveStopped as e:
                 raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}", e) \
                     from e
+        if take_back is not None:
+            take_back()
         self._compare([(t.tolist(), check) for _, t, check in issued])
-        if self._unread:
-            self._read(keep=0 if wait_all else 1)
 
     def _read(self, keep: int) -> None:
         """Compare the CUDA checks whose results arrived; wait (in slices, reading
@@ -428,16 +724,22 @@ class StepChecks:
 
     def _compare(self, results: list) -> None:
         """``results``: [(all-reduced [max, -min], check)] of one check over
-        each group. Raise if any group's ranks reported different things."""
+        each group. Raise if any group's ranks reported different things
+        (the lazy init's _AGREED fields aside: their max is kept)."""
         bad = []
         for out, check in results:
             n = len(check[0])
+            if check[0][0] == LAZY_INIT:
+                agreed = [out[i] for i in _AGREED]
+                self._agreed = agreed if not self._agreed else \
+                    [max(a, b) for a, b in zip(self._agreed, agreed)]
+                out = [0 if i % n in _AGREED else v for i, v in enumerate(out)]
             if out[:n] != [-v for v in out[n:]]:
                 bad.append(check)
         if not bad:
             return
         vec, lines = bad[0][0], bad[0][1]
-        summary = _explain([(ranks, count) for _, _, ranks, count in bad], lines())
+        summary = _explain(self, [(ranks, count) for _, _, ranks, count in bad], lines())
         ranks = bad[0][2]
         what = "lazy init" if vec[0] == LAZY_INIT else "the start of a forward or backward"
         fix = _LAYOUT_FIX if vec[0] == LAZY_INIT else _FIX
@@ -447,7 +749,7 @@ class StepChecks:
             f"the phase) they reported different things:\n{summary}\n{fix}",
             exc=DivergenceError)
         stop(f"rank {rank()} stopped: its step check at {PHASES[vec[0]]} of unit "
-             f"'{self.fqn or '<root>'}' found the ranks diverged")
+             f"'{self.fqn or '<root>'}' found the ranks diverged", self)
         raise err
 
 
@@ -459,24 +761,26 @@ _LAYOUT_FIX = ("Every rank must build the same model (the same parameters, shape
 _LINES, _LINE = 256, 400  # what a rank posts at most: lines, characters per line
 
 
-def _explain(checks: list[tuple], lines: list[str]) -> str:
+def _explain(root: StepChecks, checks: list[tuple], lines: list[str]) -> str:
     """The lines that differ between ranks, and which ranks said what, for the
     first of ``checks`` ([(group ranks, check count)], the groups where this
-    rank saw a mismatch). Every rank posts its lines to the store for each of
-    them; the first rank of each group summarises (bounded waits: a rank that
-    never posts is reported as silent)."""
+    rank saw a mismatch), under ``root``'s prefix. Every rank posts its lines
+    to the store for each of them; the first rank of each group summarises
+    (bounded waits: a rank that never posts is reported as silent)."""
     me = dist.get_rank()
     mine = "\n".join(f"  rank {me}: {line}" for line in lines)
     store = _store()
     if store is None:
         return mine
-    prefixes = [f"fsdp_compose/check/{','.join(map(str, r))}/{c}" for r, c in checks]
+    prefixes = [root.key(f"check/{c}") for _, c in checks]
     posted = json.dumps([line[:_LINE] for line in lines[:_LINES]])  # bounded, at any scale
     try:
         for prefix in prefixes:
+            root._written.append(f"{prefix}/{me}")
             store.set(f"{prefix}/{me}", posted)
         for (ranks, _), prefix in zip(checks, prefixes):
             if ranks[0] == me:
+                root._written.append(f"{prefix}/summary")
                 store.set(f"{prefix}/summary", _summarize(ranks, _posted(store, prefix, ranks)))
         key = f"{prefixes[0]}/summary"
         store.wait([key], EXPLAIN_WAIT + SLICE)

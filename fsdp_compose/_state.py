@@ -106,7 +106,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self, entry: str = "forward") -> None:
         if self.checks is not None:
-            _divergence.raise_if_stopped(self.root.fqn)
+            _divergence.raise_if_stopped(self.root.fqn, self.checks)
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
             if self.checks is not None:
                 self._left_half_done()  # raises unless every rank left it alike
@@ -222,7 +222,7 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             self.accumulated = True
         if not self._callback_queued:
             if self.checks is not None:
-                _divergence.raise_if_stopped(self.root.fqn)
+                _divergence.raise_if_stopped(self.root.fqn, self.checks)
                 self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
@@ -325,7 +325,8 @@ def lazy_init_root(unit: Unit) -> None:
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
         ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units))
-        ctx.checks.lazy_init(_layout_lines(units))
+        ctx.checks.lazy_init(_layout_lines(units) + [
+            f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if ctx.checks.enabled else 'off'}"])
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
     for u in passive:
@@ -337,6 +338,9 @@ def lazy_init_root(unit: Unit) -> None:
 def _forward_ended(unit: Unit):
     def hook(module, args, output):
         unit.forward_ended()
+        # a step check not waited for yet (a forward without collectives): now,
+        # not at some later collective (see StepChecks.settle)
+        _divergence.settle()
     return torch.compiler.disable(hook, reason="fsdp_compose's forward hooks run eagerly")
 
 

@@ -22,7 +22,11 @@ class RootStepChecks:
         and a function explaining them in lines (see [Note: divergence]).
         Recomputed only after a setter or a requires_grad change."""
         if self._settings[0] != _divergence.settings_generation:
-            self._settings = (_divergence.settings_generation, self._make_settings())
+            settings, describe = self._make_settings()
+            # (hashed once: a tuple's hash is not cached, and this one has a
+            # tuple per unit)
+            self._settings = (_divergence.settings_generation,
+                              (_Hashed(hash(settings)), describe))
         return self._settings[1]
 
     def _make_settings(self) -> tuple:
@@ -66,6 +70,13 @@ class RootStepChecks:
 
 
 # ---------------------------------------------------------------------------
+class _Hashed(int):
+    """The settings' hash, standing for them in ``StepChecks.before``."""
+
+    def __hash__(self) -> int:
+        return int(self)
+
+
 def _positions(index: dict, units: list | None):
     return -1 if units is None else tuple(index.get(v, -1) for v in units)
 

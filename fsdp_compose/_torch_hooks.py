@@ -167,7 +167,14 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
 
 
 def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
-    return any(p in SHARDED for g in opt.param_groups for p in g["params"])
+    """Whether ``opt`` steps parameters sharded over more than one rank (a
+    model of world size 1 has no ranks to diverge from)."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            hit = SHARDED.get(p)
+            if hit is not None and (hit[0].world > 1 or hit[0].replicas > 1):
+                return True
+    return False
 
 
 def _inner_optimizers(opt: torch.optim.Optimizer) -> list:

@@ -9,8 +9,10 @@ caught by the loop, which goes on). Every rank must end with our error (the
 exiting rank with its own), naming the unit, the collective and what the
 ranks did; none may hang. A different number of forwards or backwards,
 different settings and an exception caught between forward and backward
-need the step check (``STEP_CHECKED``: on through FSDP_COMPOSE_STEP_CHECK=1);
-the others hold with the defaults. See docs/design.md, "Divergence".
+need the step check (``STEP_CHECKED``), on by default: every scenario runs
+with the defaults. Models in sequence and side by side, with faults every
+rank raises alike, must not see each other's records (issue 27). See
+docs/design.md, "Divergence".
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class Scale(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls == self.fail_at or isinstance(self.fail_at, tuple) \
+                and self.calls in self.fail_at:
             raise ValueError("deliberate failure inside a forward")
         return x * self.w.to(x.dtype)
 
@@ -79,17 +82,14 @@ def _train(model, rank: int, steps: int = 3, forwards=None, microbatches=None,
         opt.zero_grad()
 
 
-# Scenarios that need the step check (FSDP_COMPOSE_STEP_CHECK=1, off by default:
-# docs/design.md, "Divergence"); the others run with the defaults.
+# Scenarios caught by the step check (on by default; FSDP_COMPOSE_STEP_CHECK=0
+# turns it off: docs/design.md, "Divergence"); the others hold without it.
 STEP_CHECKED = {"extra_microbatch", "two_forwards", "gradient_sync", "all_reduce",
                 "catch_in_loss"}
 
 
 def _scenario(rank: int, world: int, name: str) -> None:
-    if name in STEP_CHECKED:  # (read when the root initialises)
-        os.environ["FSDP_COMPOSE_STEP_CHECK"] = "1"
-    else:
-        os.environ.pop("FSDP_COMPOSE_STEP_CHECK", None)
+    os.environ.pop("FSDP_COMPOSE_STEP_CHECK", None)  # the defaults
     last = world - 1
     if name == "extra_microbatch":  # the last rank runs 2 forward+backward per step
         _train(_model(), rank, microbatches=lambda s: 2 if rank == last and s == 1 else 1)
@@ -171,8 +171,117 @@ def _scenario(rank: int, world: int, name: str) -> None:
             raise caught[-1]
         if name == "every_rank_leaves_alike":
             return len(caught), _loss(model, _batch(rank, 9)).item()
+    elif name.startswith("models_in_sequence_"):
+        return _models_in_sequence(rank, name.removeprefix("models_in_sequence_"))
+    elif name == "student_and_teacher":
+        return _student_and_teacher(rank)
     else:
         raise AssertionError(name)
+
+
+def _store_keys() -> int:
+    import torch.distributed as dist
+
+    from fsdp_compose import _compat
+    dist.barrier()  # (every rank done with the store)
+    return _compat.default_store().num_keys()
+
+
+def _models_in_sequence(rank: int, fault: str):
+    """The issue's sketch: one model after another in one process, each with
+    the same fault on every rank at step 1 (a forward or a backward hook
+    raises), caught by the loop, which drops the step. Returns each model's
+    losses, a reference run that skips step 1, and the number of store keys
+    after the first step and after each model is freed."""
+    import gc
+    steps, bad = 4, 1
+    forward = fault == "forward"
+
+    def run(trial: int | None):
+        model = _model(fail_at=2 if forward and trial is not None else -1)
+        now = [0]
+
+        def fail(_grad):
+            raise ValueError("deliberate failure in a backward hook")
+
+        def hook(_module, _args, out):
+            if not forward and trial is not None and now[0] == bad:
+                out.register_hook(fail)
+        model[1].register_forward_hook(hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, keys = [], None
+        for step in range(steps):
+            now[0] = step
+            if trial is None and step == bad:
+                continue  # the reference skips the step
+            try:
+                loss = _loss(model, _batch(rank, step))
+                loss.backward()
+            except ValueError:
+                assert trial is not None and step == bad
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if trial == 0 and step == 0:
+                keys = _store_keys()
+        del model, opt
+        gc.collect()
+        return losses, keys
+
+    trials = []
+    for trial in range(3):
+        losses, keys = run(trial)
+        trials.append((losses, keys, _store_keys()))
+    reference = run(None)[0]
+    gc.collect()  # (the last loss held the last model's graph until run returned)
+    from fsdp_compose import _divergence
+    return trials, reference, len(_divergence._ROOTS), len(_divergence._stopped)
+
+
+def _student_and_teacher(rank: int):
+    """Two models alive side by side (a teacher's no-grad forward feeds the
+    student's loss), each with faults on every rank: the student's forward
+    raises at step 1, the teacher's at step 2, a backward hook of the student
+    at step 4. Every fault drops its step; returns the student's losses, and
+    those of a reference run that skips those steps."""
+    steps, dropped = 6, (1, 2, 4)
+
+    def run(faults: bool):
+        student = _model(fail_at=2 if faults else -1)
+        teacher = _model(fail_at=3 if faults else -1)
+        now = [0]
+
+        def fail(_grad):
+            raise ValueError("deliberate failure in a backward hook")
+
+        def hook(_module, _args, out):
+            if faults and now[0] == 4:
+                out.register_hook(fail)
+        student[1].register_forward_hook(hook)
+        opt = torch.optim.AdamW(student.parameters(), lr=0.01)
+        losses = []
+        for step in range(steps):
+            now[0] = step
+            if not faults and step in dropped:
+                continue
+            x = _batch(rank, step)
+            try:
+                with torch.no_grad():
+                    target = teacher(x)
+                loss = (student(x) - target).square().mean()
+                loss.backward()
+            except ValueError:
+                assert faults and step in dropped, step
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    return run(True), run(False)
 
 
 def _outcomes(name: str, world: int):
@@ -298,6 +407,50 @@ def test_every_rank_leaves_a_step_alike_and_goes_on():
     outcomes = _outcomes("every_rank_leaves_alike", 2)
     assert [o.kind for o in outcomes] == ["ok", "ok"], [(o.kind, o.message) for o in outcomes]
     assert [o.value[0] for o in outcomes] == [1, 1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_models_in_sequence_with_the_same_fault(fault, world):
+    """Issue 27, 1: a model freed and another built in the same process, each
+    with a fault every rank raises alike at step 1: every model drops that
+    step and trains as a run that skips it, and the records of a freed model
+    (store keys, roots) are gone. Before, the second model's agreement read
+    the first one's words and raised a DivergenceError on one rank."""
+    outcomes = _outcomes(f"models_in_sequence_{fault}", world)
+    assert [o.kind for o in outcomes] == ["ok"] * world, [(o.kind, o.message) for o in outcomes]
+    for o in outcomes:
+        trials, reference, roots, stopped = o.value
+        assert len(reference) == 3
+        for losses, _, _ in trials:
+            assert losses == reference, (losses, reference)
+        baseline = trials[0][1]
+        assert [keys for _, _, keys in trials] == [baseline] * 3, trials
+        assert (roots, stopped) == (0, 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_two_models_alive_side_by_side_with_faults(world):
+    """Issue 27, 1: a student and a teacher alive together, faults in each
+    (every rank alike): each drops its step, the student trains as a run that
+    skips those steps. Before, both roots' records had the same keys (unit
+    '' over the same ranks) and the teacher's agreement read the student's."""
+    outcomes = _outcomes("student_and_teacher", world)
+    assert [o.kind for o in outcomes] == ["ok"] * world, [(o.kind, o.message) for o in outcomes]
+    for o in outcomes:
+        losses, reference = o.value
+        assert len(reference) == 3 and losses == reference, (losses, reference)
+
+
+def test_the_step_check_is_on_by_default_and_has_a_switch(monkeypatch):
+    from fsdp_compose import _divergence
+    monkeypatch.delenv("FSDP_COMPOSE_STEP_CHECK", raising=False)
+    assert _divergence.step_check_enabled()
+    for off in ("0", "false", "False"):
+        monkeypatch.setenv("FSDP_COMPOSE_STEP_CHECK", off)
+        assert not _divergence.step_check_enabled()
+    monkeypatch.setenv("FSDP_COMPOSE_STEP_CHECK", "1")
+    assert _divergence.step_check_enabled()
 
 
 def test_ranks_leave_a_step_at_different_points():

@@ -18,7 +18,10 @@ scaler's decisions do not depend on the dtype; scales are powers of two).
 fsdp_compose makes ``torch.amp.GradScaler`` on sharded parameters an error
 on every rank that names ``ShardedGradScaler`` ([Note: loss scaling] in
 fsdp_compose/_torch_hooks.py); the "unguarded" run bypasses that guard to
-measure the divergence it prevents.
+measure the divergence it prevents, with the step check off
+(FSDP_COMPOSE_STEP_CHECK=0); with the step check on (the default) the same
+run raises a DivergenceError on every rank at the forward after the skipped
+step.
 
 Each world size runs ONE multi-process launch doing every scaler; the ranks
 return what they measured and the tests assert on it.
@@ -144,12 +147,25 @@ def _run(rank: int, world: int, kind: str) -> dict:
 
 
 def _both(rank: int, world: int) -> dict:
-    out = {kind: _run(rank, world, kind) for kind in ("sharded", "unguarded")}
+    import os
+
+    from fsdp_compose import DivergenceError
+    out = {"sharded": _run(rank, world, "sharded")}
+    os.environ["FSDP_COMPOSE_STEP_CHECK"] = "0"  # the hazard itself (read at lazy init)
+    try:
+        out["unguarded"] = _run(rank, world, "unguarded")
+    finally:
+        del os.environ["FSDP_COMPOSE_STEP_CHECK"]
     try:
         _run(rank, world, "plain")
         out["plain"] = None
     except RuntimeError as e:
         out["plain"] = str(e)
+    try:  # last: a DivergenceError stops this process group's models
+        _run(rank, world, "unguarded")
+        out["checked"] = None
+    except DivergenceError as e:
+        out["checked"] = str(e)
     return out
 
 
@@ -185,6 +201,16 @@ def test_sharded_grad_scaler_matches_the_reference_on_every_rank(measured):
         assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
         problems = [p for s in steps for p in s["problems"]]
         assert not problems, (world, rank, problems[:12])
+
+
+def test_the_step_check_stops_the_unguarded_divergence_on_every_rank(measured):
+    """With the step check (the default), the rank that skipped the step
+    meets the others at the next forward's check with one optimizer step
+    less: every rank raises instead of training on differently."""
+    world, results = measured
+    for rank, r in enumerate(results):
+        assert r["checked"] is not None and "optimizer steps so far" in r["checked"], \
+            (rank, r["checked"])
 
 
 def test_torch_grad_scaler_without_the_guard_diverges_across_ranks(measured):
