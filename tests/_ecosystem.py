@@ -140,7 +140,9 @@ def trainer_run(rank: int, world: int, root: str, impl: str, sd_type: str) -> di
     t.train()
     out = {"fsdp2_path": t.is_fsdp_enabled and t.accelerator.is_fsdp2,
            "class_from": type(t.model_wrapped).__mro__[1].__module__,
-           "losses": losses(t), "full": t.accelerator.get_state_dict(t.model_wrapped)}
+           "losses": losses(t), "full": t.accelerator.get_state_dict(t.model_wrapped),
+           "grad_norms": [float(h["grad_norm"]) for h in t.state.log_history
+                          if "grad_norm" in h]}
     t2 = Trainer(model=tiny_llama(1), args=TrainingArguments(**args), train_dataset=data)
     t2.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
     out["resumed"] = losses(t2)[-2:]

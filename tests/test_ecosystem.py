@@ -79,7 +79,13 @@ def test_trainer_trains_and_resumes_as_fsdp2(runs, sd_type):
         assert a["resumed"] == a["losses"][-2:]           # resumed at step 2: the same steps 3-4
     assert ours[0]["full"] and _same(ours[0]["full_resumed"], ours[0]["full"])
     # The Trainer clips (max_grad_norm 1.0): FSDP2's norm is a DTensor reduction,
-    # ours the same sum in another order, so parameters agree to rounding.
+    # ours the same sum in another order, so the norms agree to rounding, and so
+    # do the parameters after the step they scale (measured: at most 4e-6 where
+    # an embedding row's gradient is near zero and Adam's eps dominates, 1e-7
+    # elsewhere; parameters ~0.1).
+    for a, b in zip(ours, f2):
+        assert len(a["grad_norms"]) == 4
+        assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-5)
     a, b = ours[0]["full"], f2[0]["full"]
     assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=2e-5) for k in a)
