@@ -23,11 +23,13 @@ Why ShardedTensor and not DCP's tensor-subclass protocol: see docs/design.md.
 Optimizer state tensors that have the parameter's (local, row piece) shape get
 the same treatment, keyed by the parameter's FQN like
 ``torch.distributed.checkpoint.state_dict``; they are flattened with
-``view(-1)`` first, which is the same piece. A rank keeps no optimizer state
-for a parameter it holds no rows of ([Note: empty pieces] in _grad_path.py),
-so the ranks' optimizer state dicts may hold different FQNs; DCP merges them
-(tested), and full state dicts merge them with one object all-gather per flat
-group (``_merged_state_info``).
+``view(-1)`` first, which is the same piece. An element-wise optimizer keeps
+state for a parameter this rank holds no rows of (empty tensors and its
+``step``, as every rank does under DDP: [Note: empty pieces] in
+_grad_path.py); one that needs whole tensors keeps none there, so the ranks'
+optimizer state dicts may hold different FQNs; DCP merges them (tested), and
+full state dicts merge them with one object all-gather per flat group
+(``_merged_state_info``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _collectives, _compat
+from . import _collectives, _compat, _torch_hooks
 from ._common import TrainingState, rank as _rank
 from ._registry import SHARDED, state_dict_slots, units_below
 
@@ -512,7 +514,7 @@ def _param_fqns(model: nn.Module) -> dict:
 def _ensure_optim_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a zero-gradient step with
     lr 0), so that a checkpoint can be loaded into it in place. Parameters this
-    rank holds no rows of keep no gradient, hence no state (as in training, see
+    rank holds no rows of get an empty zero gradient, as in training (see
     [Note: empty pieces] in _grad_path.py)."""
     if optim.state:
         return
@@ -520,8 +522,7 @@ def _ensure_optim_state(optim) -> None:
     if any(p.grad is not None for p in params):
         return
     for p in params:
-        hit = SHARDED.get(p)
-        if p.requires_grad and not (hit is not None and hit[1].held_elsewhere()):
+        if p.requires_grad:
             p.grad = torch.zeros_like(p)
     saved = []
     for grp in optim.param_groups:
@@ -666,6 +667,7 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
                          "'param_groups' (as returned by get_state_dict).")
     loaded_state, loaded_groups = osd["state"], osd["param_groups"]
     where = {fqn: grp for grp in loaded_groups for fqn in grp["params"]}
+    empty_pieces = _torch_hooks.steps_empty_pieces(optim)
     new_state, new_groups, pid = {}, [], 0
     for i, grp in enumerate(optim.param_groups):
         ids, src = [], None
@@ -677,8 +679,11 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
                                  "model. Pass the model the optimizer was built for.")
             src = src or where.get(fqn)
             hit = SHARDED.get(p)
-            # no state where this rank holds none of it ([Note: empty pieces])
-            if fqn in loaded_state and not (hit is not None and hit[1].held_elsewhere()):
+            # where this rank holds none of it, state as in training: empty tensors
+            # for an element-wise optimizer, none for a whole-tensor one
+            # ([Note: optimizers on sharded parameters] in _torch_hooks.py)
+            if fqn in loaded_state and (empty_pieces or hit is None
+                                        or not hit[1].held_elsewhere()):
                 new_state[pid] = {k: _local_state(fqn, k, v, p, hit)
                                   for k, v in loaded_state[fqn].items()}
             ids.append(pid)

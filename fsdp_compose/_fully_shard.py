@@ -263,8 +263,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     holding this rank's dim-0 rows, shape ``(rows, *shape[1:])`` (possibly 0
     rows), not a DTensor: ``p.ndim`` and ``p.shape[1:]`` are the original's;
     ``p.shape[0]`` is the rows this rank holds (the full shape at shard world
-    size 1). Where a rank holds no rows of a parameter, its ``p.grad`` stays
-    None. ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
+    size 1). Where a rank holds no rows of a parameter, its ``p.grad`` is an
+    empty gradient of that shape wherever any rank produced a gradient for
+    it (None where none did, on every rank, as under DDP). ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
     at any world size. Build the optimizer after ``fully_shard``.
     """
     modules, label = _check_modules(module)

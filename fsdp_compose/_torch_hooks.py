@@ -22,6 +22,20 @@ needing whole tensors. ``declare_optimizer(cls, kind)`` tells us otherwise.
 The check is cached per optimizer and redone when its parameter list changes:
 one dict lookup per step.
 
+Where a rank holds none of a parameter that another rank holds, its
+``p.grad`` is an empty gradient wherever the parameter got one ([Note: empty
+pieces] in _grad_path.py). An element-wise optimizer steps it as DDP's does
+(empty state, nothing moves). One that needs whole tensors may not take an
+empty tensor (Adafactor divides by the element count: ZeroDivisionError in
+plain PyTorch too), and it has nothing to compute there: the parameter is
+stepped whole on the rank that holds it. So for every optimizer that is not
+element-wise, those empty gradients are set aside for the length of its
+``step()`` (this pre-hook; torch's global step post-hook puts them back), and
+it keeps no state for them on this rank, as before this rank had a gradient
+there. A ``step()`` that raises leaves them set aside until this optimizer's
+next ``step()``; a closure that runs backward inside ``step()`` hands them to
+the optimizer again.
+
 [Note: torch.nn.utils.clip_grad_norm_]
 torch's ``clip_grad_norm_`` computes the norm of the gradients it is given:
 on sharded parameters that is this rank's part, so each rank would clip by a
@@ -54,7 +68,8 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from . import _compat, _divergence
 from ._common import rank as _rank, unit_error
@@ -107,8 +122,11 @@ def optimizer_kind(cls: type) -> str | None:
     return None
 
 
-# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters)
+# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters,
+#              the parameters whose empty gradient its step() must not see)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+# optimizer -> [(parameter, its empty gradient)] set aside while its step() runs
+_set_aside: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
 def _signature(opt: torch.optim.Optimizer) -> tuple:
@@ -154,13 +172,50 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     seen = _checked.get(opt)
     if seen is None or seen[0] != sig:
         _check_optimizer(opt)
-        seen = _checked[opt] = (sig, _holds_sharded(opt))
+        seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt))
     if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
         _divergence.count_optimizer_step()
+    if seen[2]:
+        _set_aside_empty_grads(opt, seen[2])
+
+
+def _step_post_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+    _restore_empty_grads(opt)
 
 
 def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
     return any(p in SHARDED for g in opt.param_groups for p in g["params"])
+
+
+def steps_empty_pieces(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` sees the empty gradients of parameters this rank
+    holds none of (element-wise optimizers), and so keeps (empty) state for
+    them, as DDP's optimizer does (see [Note: optimizers on sharded parameters])."""
+    return optimizer_kind(type(opt)) == ELEMENTWISE
+
+
+def _empty_pieces_to_hide(opt: torch.optim.Optimizer) -> tuple:
+    if steps_empty_pieces(opt):
+        return ()
+    return tuple(p for g in opt.param_groups for p in g["params"]
+                 if (hit := SHARDED.get(p)) is not None and hit[1].held_elsewhere())
+
+
+def _set_aside_empty_grads(opt: torch.optim.Optimizer, params: tuple) -> None:
+    _restore_empty_grads(opt)  # (a step that raised: its step post-hook never ran)
+    aside = []
+    for p in params:
+        if p.grad is not None:
+            aside.append((p, p.grad))
+            p.grad = None
+    if aside:
+        _set_aside[opt] = aside
+
+
+def _restore_empty_grads(opt: torch.optim.Optimizer) -> None:
+    for p, grad in _set_aside.pop(opt, ()):
+        if p.grad is None:  # (unless the step's closure made a new one)
+            p.grad = grad
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
@@ -304,6 +359,7 @@ def install() -> None:
         return
     _installed = True
     register_optimizer_step_pre_hook(_step_pre_hook)
+    register_optimizer_step_post_hook(_step_post_hook)
     original = nn.utils.clip_grad.clip_grad_norm_
     if not getattr(original, "_fsdp_compose_dispatch", False):
         dispatcher = _make_clip_dispatcher(original)

@@ -162,8 +162,9 @@ def mp_policy_keeps_compute_dtype(rank, world):
     ref.double()
     for p, r in zip(m.parameters(), bf16_ref.parameters()):  # bf16 grads, reduced in fp32
         a, b = param_info(p).local_range
-        if p.grad is None and a == b:
-            continue  # this rank holds no rows of it
+        if p.grad is None:  # (empty where this rank holds no rows of it)
+            bad.append(f"{param_info(p).fqn} grad is None")
+            continue
         if not torch.allclose(p.grad, r.grad.double().reshape(-1)[a:b].view_as(p.grad),
                               rtol=2e-2, atol=2e-2):
             bad.append(f"{param_info(p).fqn} grad differs")
@@ -194,8 +195,9 @@ def mp_model_cast_to_param_dtype(rank, world):
         bad.append(f"bf16 master computed with {set(seen)}")
     for p, r in zip(m.parameters(), ref32.parameters()):
         a, b = param_info(p).local_range
-        if p.grad is None and a == b:
-            continue  # this rank holds no rows of it
+        if p.grad is None:  # (empty where this rank holds no rows of it)
+            bad.append(f"{param_info(p).fqn} grad is None")
+            continue
         want = r.grad.reshape(-1)[a:b].to(torch.bfloat16).view_as(p.grad)
         if p.grad.dtype != torch.bfloat16 or not torch.allclose(p.grad.float(), want.float(),
                                                                 rtol=1e-2, atol=1e-2):
