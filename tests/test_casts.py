@@ -53,7 +53,12 @@ def batch(step: int, dtype=torch.float32):
 def backward(model, ref, step, rank, world, dtype=torch.float32, ref_dtype=None):
     x, y = batch(step, dtype)
     n = ROWS // world
-    F.mse_loss(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+    out = model(x[rank * n:(rank + 1) * n])
+    # The target in the output's dtype (an mp_policy's param_dtype: the dtype
+    # the reference computes in): torch 2.11's mse_loss backward raises on a
+    # target of another dtype ("Found dtype Double but expected BFloat16",
+    # plain PyTorch too: pytorch/pytorch#94086; 2.13 and 2.14 compute it)
+    F.mse_loss(out, y[rank * n:(rank + 1) * n].to(out.dtype)).backward()
     rx, ry = batch(step, ref_dtype or dtype)
     F.mse_loss(ref(rx), ry).backward()
 

@@ -50,8 +50,10 @@ from ._support import (Block, IssueRecorder, Net, StreamDouble, per_unit_collect
                        shard)
 from .test_streams import _check_protocol
 
-# what this CPU-only build says when asked to allocate on CUDA
-NO_CUDA = ("Torch not compiled with CUDA enabled", "from the 'CUDA' backend")
+# what torch says here when asked to allocate on CUDA: a CPU-only build, or a
+# CUDA build on a machine without a GPU (its driver is missing)
+NO_CUDA = ("Torch not compiled with CUDA enabled", "from the 'CUDA' backend",
+           "Found no NVIDIA driver on your system")
 
 
 # --------------------------------------------------------------- CUDA job double
@@ -62,7 +64,13 @@ class CudaJob:
 
     def __init__(self, spelling: str | None = "cpu:gloo,cuda:nccl", nccl_groups=()):
         self.spelling = spelling or "undefined"
-        with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
+        # BackendConfig("undefined") takes the machine's accelerator: up to torch
+        # 2.13 from torch._C._get_accelerator() (the build's), from 2.14 on from
+        # torch.accelerator.current_accelerator(check_available=True) (None
+        # without a GPU, also in a CUDA build): on a GPU machine both say CUDA
+        with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")), \
+                mock.patch.object(torch.accelerator, "current_accelerator",
+                                  lambda check_available=False: torch.device("cuda")):
             self.config = repr(BackendConfig(self.spelling))
         self.nccl_groups = list(nccl_groups)
         self.on_cuda = WeakIdKeyDictionary()  # tensors "moved to CUDA"
