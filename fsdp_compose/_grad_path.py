@@ -51,9 +51,11 @@ on CUDA that read would be a device-to-host copy.
 ranks hold (``ParamEntry.held_elsewhere``: a row piece of 0 rows, or a
 tensor-layout parameter owned by another rank), the fold treats it like any
 other entry: where some rank produced its gradient, ``p.grad`` is an empty
-gradient of the piece's shape ``(0, *shape[1:])`` (a view of the gradient
-shard, like the others'), and None where no rank did. So the pattern of
-``p.grad is None`` is the same on every rank and is DDP's: per-parameter
+gradient of the piece's shape ``(0, *shape[1:])`` (of the gradient shard's
+dtype and device, but not a view of it: on a rank that holds nothing of a
+group a view would keep the whole gradient shard alive), and None where no
+rank did. So the pattern of ``p.grad is None`` is the same on every rank
+and is DDP's: per-parameter
 logging, a user's collective guarded by ``p.grad is not None``, or code
 comparing gradients across ranks sees one model. An element-wise optimizer
 steps the empty piece as DDP steps the whole: its state for it is created
@@ -259,10 +261,10 @@ class GradientPath:
 
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
         """``buf`` becomes the gradient shard of the entries in ``take`` (an
-        empty piece held elsewhere gets an empty view, see [Note: empty pieces])."""
+        empty piece held elsewhere gets an empty gradient, see [Note: empty pieces])."""
         for e, t in zip(self.entries, take):
             if t:
-                e.sharded.grad = e.piece(buf)
+                e.sharded.grad = _empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf)
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -409,8 +411,16 @@ class GradientPath:
                 piece = e.piece(out)
                 if g is not None:
                     g.add_(piece.view_as(g))
-                elif any_rank is None or any_rank[k]:  # (also an empty piece)
-                    e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
+                elif any_rank is None or any_rank[k]:
+                    e.sharded.grad = (_empty_grad(e, out) if e.held_elsewhere()
+                                      else piece.clone())  # (a view would keep all of out alive)
+
+
+def _empty_grad(e, buf: torch.Tensor) -> torch.Tensor:
+    """The gradient of an empty piece held elsewhere: a tensor of its own, not
+    a view of ``buf`` (which would keep the gradient shard alive on a rank
+    that holds nothing of it, see [Note: empty pieces])."""
+    return buf.new_empty(e.piece_shape)
 
 
 def launch_bucket(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:

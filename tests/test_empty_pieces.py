@@ -22,7 +22,8 @@ model has parameters
 
 The tests assert that the patterns are the same on every rank and equal
 DDP's, that at least one parameter of each kind has an empty piece on some
-rank (so the check can fail), and that the gradients, the parameters after
+rank (so the check can fail), that an empty gradient is not a view that
+keeps a gradient shard alive, and that the gradients, the parameters after
 each step and the optimizer state (element-wise optimizers: created for an
 empty piece too, empty, with the same ``step``) are DDP's. Optimizers:
 AdamW, SGD with momentum with ``zero_grad(set_to_none=False)`` and
@@ -182,6 +183,10 @@ def train(rank, world, make_opts, *, granularity="row", set_to_none=True, max_no
                 for o in os:
                     s.unscale_(o)
         problems += compare_with_reference(model, ddp.module, tag, params=False)
+        problems += [f"{tag} {n}: its empty gradient keeps {p.grad.untyped_storage().nbytes()} "
+                     "bytes alive" for n, p in model.named_parameters()
+                     if p.grad is not None and p.numel() == 0
+                     and p.grad.untyped_storage().nbytes() > 0]
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # routed to ours
             ref_norm = torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), max_norm)
