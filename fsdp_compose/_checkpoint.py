@@ -428,9 +428,11 @@ def _portable(info: dict) -> dict:
 def _merged_state_info(g, optim, ents) -> list[dict]:
     """``_state_info`` merged over the group's ranks (one object all-gather).
 
-    A rank keeps no state for a parameter it holds no rows of (see [Note: empty
-    pieces] in _grad_path.py), so which keys exist, and the scalar values,
-    come from the ranks that do; the key order is the first such rank's."""
+    An optimizer that needs whole tensors keeps no state for a parameter on a
+    rank that holds no rows of it (see [Note: optimizers on sharded
+    parameters] in _torch_hooks.py), so which keys exist, and the scalar
+    values, come from the ranks that do; the key order is the first such
+    rank's."""
     mine = _state_info(optim, ents)
     if g.world == 1:
         return mine
