@@ -15,6 +15,7 @@ from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPoli
 from ._checkpoint import get_state_dict, set_state_dict
 from ._load_checkpoint import CheckpointLoadError, load_checkpoint
 from ._materialize import materialize
+from ._drop_in import use_as_fsdp2
 from .clip import clip_grad_norm_
 from ._torch_hooks import declare_optimizer
 
@@ -42,5 +43,6 @@ __all__ = [
     "load_checkpoint",
     "CheckpointLoadError",
     "materialize",
+    "use_as_fsdp2",
 ]
 __version__ = "0.1.0"

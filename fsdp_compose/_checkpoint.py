@@ -1,101 +1,148 @@
-"""State dicts and checkpoints: sharded (no communication) and full.
+"""State dicts in FSDP2's form, converted from and to our row layout.
 
-[Note: checkpoint boxes]
-While sharded, rank r holds the flat range ``local_range = [a, b)`` of each
-parameter's row-major flattening (see ``_param_entry.py``), which is a block
-of whole dim-0 rows ([Note: shard layout] in _layout.py): ONE *box* (n-D
-rectangle), a ``view`` of the local shard: ``shard[s:s+n].view(box_sizes)``.
-(The box code takes any flat range: a flat range of a row-major tensor is a
-union of at most ``2·ndim - 1`` boxes, a partial innermost row, partial rows
-of the next dimension up, ..., a block of whole rows of dim 0, and the mirror
-image at the end; each is contiguous in memory.)
+[Note: state dicts in FSDP2's form]
+Training keeps the zero-copy row layout: rank r holds a block of whole dim-0
+rows of each parameter, where the flat buffer's rank boundaries fall
+([Note: shard layout] in _layout.py). The ecosystem (torch's
+``torch.distributed.checkpoint.state_dict``, DCP, accelerate, the
+transformers Trainer, torchtitan) expects what FSDP2's ``state_dict()``
+holds: per sharded parameter, and per per-element optimizer state of it, a
+``DTensor`` of the global shape placed ``Shard(0)`` over the shard mesh
+(``(Replicate(), Shard(0))`` for HSDP): rank r holds rows
+``[r·c, (r+1)·c)`` with ``c = ceil(rows / world)`` (torch.chunk's split).
+Those rows are not ours, so taking a state dict *redistributes*: per
+parameter (per state tensor), one all-gather of the ranks' row pieces
+(padded to the largest) over the shard group, then this rank keeps a copy of
+its chunk. Loading reverses it: a DTensor's ``full_tensor()`` (any
+placements: FSDP2's, ours, a replicated one), then this rank's rows. So
+``model.state_dict()`` and ``optimizer.state_dict()`` are collectives on
+sharded models: every rank calls them, for the same parameters, in the same
+order (as every stack does). Peak extra memory: one parameter whole, plus
+the state dict's own copy of this rank's chunks.
 
-``model.state_dict()`` therefore returns, for each sharded parameter, a
-``ShardedTensor`` of the parameter's global shape whose local shards are those
-box views, and whose global metadata (every rank's boxes) each rank computes
-alone from the layout: rank r's range of an entry is the intersection of
-``[offset, offset + numel)`` with ``[r·S, (r+1)·S)`` (every parameter is
-contiguous in the unsharded flat). No collective; DCP saves
-the boxes and reshards on load (it reads, for each of our boxes, the parts of
-the saved chunks that overlap it, directly into the view, i.e. the shard).
-Why ShardedTensor and not DCP's tensor-subclass protocol: see docs/design.md.
+A tensor-parallel (DTensor) parameter comes out as its TP DTensor (the
+placements ``parallelize_module`` gave it), each dp rank holding the whole TP
+shard (gathered over dp): replicated over dp, which DCP saves once.
 
-Optimizer state tensors that have the parameter's (local, row piece) shape get
-the same treatment, keyed by the parameter's FQN like
-``torch.distributed.checkpoint.state_dict``; they are flattened with
-``view(-1)`` first, which is the same piece. An element-wise optimizer keeps
-state for a parameter this rank holds no rows of (empty tensors and its
-``step``, as every rank does under DDP: [Note: empty pieces] in
-_grad_path.py); one that needs whole tensors keeps none there, so the ranks'
-optimizer state dicts may hold different FQNs; DCP merges them (tested), and
-full state dicts merge them with one object all-gather per flat group
-(``_merged_state_info``).
+0-d parameters are ``Replicate`` DTensors. On the meta device (a state dict
+taken before ``to_empty``, as accelerate's ``cpu_ram_efficient_loading``
+does) the DTensors are meta too, with the same shapes and placements, and no
+collective runs; ``load_state_dict(..., assign=True)`` into such a model
+gives it storage first.
+
+Optimizer state: ``optimizer.state_dict()`` and ``load_state_dict()`` get a
+post-hook and a pre-hook (per optimizer, attached at its first step by the
+optimizer check in _torch_hooks.py; an optimizer loaded before its first
+step holds DTensors until that step converts them). Which parameters and
+keys exist is merged over the ranks (one object all-gather): an optimizer
+that needs whole tensors keeps no state for a parameter on a rank that holds
+no rows of it, but that rank's chunk may not be empty (an element-wise one
+keeps empty state there, as in training: [Note: empty pieces] in
+_grad_path.py).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _collectives, _compat, _torch_hooks
+from . import _collectives
 from ._common import TrainingState, rank as _rank
+from ._optim_kinds import steps_empty_pieces
 from ._registry import SHARDED, state_dict_slots, units_below
 
 
-# --------------------------------------------------------------------- boxes
-def flat_boxes(shape: Iterable[int], start: int, end: int) -> list[tuple[tuple, tuple]]:
-    """``[(offsets, sizes)]``: boxes covering elements ``[start, end)`` of a
-    row-major tensor of ``shape``, in flat order (each box is contiguous)."""
-    shape = tuple(shape)
-    if start >= end:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    rest = shape[1:]
-    i0, r0 = divmod(start, inner)
-    i1, r1 = divmod(end, inner)
-    if i0 == i1:
-        return [((i0,) + o, (1,) + s) for o, s in flat_boxes(rest, r0, r1)]
-    out = []
-    if r0:
-        out += [((i0,) + o, (1,) + s) for o, s in flat_boxes(rest, r0, inner)]
-        i0 += 1
-    if i1 > i0:
-        out.append(((i0,) + (0,) * len(rest), (i1 - i0,) + rest))
-    if r1:
-        out += [((i1,) + o, (1,) + s) for o, s in flat_boxes(rest, 0, r1)]
-    return out
+# ------------------------------------------------------------ rows <-> chunks
+def _entry_index(g, e) -> int:
+    for i, x in enumerate(g.entries):
+        if x is e:
+            return i
+    raise KeyError(e.fqn)
 
 
-def _box_views(shape, local_range, local: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
-    """This rank's boxes of a parameter, as views of ``local`` (its piece, flattened)."""
-    out, pos = [], 0
-    for o, s in flat_boxes(shape, *local_range):
-        n = math.prod(s)
-        out.append((o, s, local[pos:pos + n].view(s)))
-        pos += n
-    return out
+def rank_rows(g, e) -> list[tuple[int, int]]:
+    """Per rank of ``g``'s shard group: the dim-0 rows of ``e`` it holds
+    (of a 0-d parameter: its one element)."""
+    i = _entry_index(g, e)
+    return [g.layout.rows_on(i, r) for r in range(g.world)]
 
 
-def _rank_ranges(g, e) -> list[tuple[int, int, int]]:
-    """``[(group rank, a, b)]``: which ranks hold which flat range of entry ``e``."""
-    S, lo, hi = g.shard_numel, e.offset, e.offset + e.numel
-    return [(r, max(lo, r * S) - lo, min(hi, (r + 1) * S) - lo)
-            for r in range(lo // S, (hi - 1) // S + 1)]
+def gather_entry(g, e, piece: torch.Tensor) -> torch.Tensor:
+    """Entry ``e`` whole (``e.shape``: for a TP parameter its local TP shard),
+    from every rank's row piece (``piece`` is this rank's, shaped like
+    ``e.sharded``, any dtype). A collective over ``g``'s shard group, unless
+    the group does not shard."""
+    if g.world == 1:
+        return piece.reshape(e.shape)
+    rows = rank_rows(g, e)
+    inner = math.prod(e.shape[1:]) if e.shape else 1
+    most = max(b - a for a, b in rows) * inner
+    if most == 0:
+        return piece.new_empty(e.shape)
+    dev = g.device if g.device.type != "meta" else piece.device
+    send = torch.zeros(most, dtype=piece.dtype, device=dev)
+    mine = piece.reshape(-1)
+    send[:mine.numel()].copy_(mine)
+    out = torch.empty(g.world * most, dtype=piece.dtype, device=dev)
+    _collectives.all_gather(out, send, g.pg).wait()
+    parts = [out[r * most:r * most + (b - a) * inner] for r, (a, b) in enumerate(rows)]
+    full = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return full.view(e.shape).to(piece.device)
+
+
+def _placements(g) -> tuple:
+    return (Replicate(),) * (g.mesh.ndim - 1) + (Shard(0),)
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The dim-0 rows ``rank`` holds under ``Shard(0)`` (torch.chunk's split)."""
+    c = -(-rows // world) if rows else 0
+    lo = min(rank * c, rows)
+    return lo, min(lo + c, rows)
+
+
+def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
+    """What a state dict holds for entry ``e`` (or a per-element state tensor of
+    it, ``piece`` shaped like ``e.sharded``): see [Note: state dicts in FSDP2's
+    form]. A collective over the shard group (none on meta)."""
+    meta = piece.is_meta
+    if e.tp is not None:
+        local = (torch.empty(e.shape, dtype=piece.dtype, device="meta") if meta
+                 else gather_entry(g, e, piece).clone())
+        return DTensor.from_local(local, e.tp.mesh, e.tp.placements, run_check=False,
+                                  shape=e.tp.shape, stride=e.tp.stride)
+    if not e.shape:  # a 0-d parameter: replicated
+        local = (torch.empty((), dtype=piece.dtype, device="meta") if meta
+                 else gather_entry(g, e, piece).clone())
+        return DTensor.from_local(local, g.mesh, (Replicate(),) * g.mesh.ndim, run_check=False,
+                                  shape=e.shape, stride=())
+    lo, hi = chunk_rows(e.shape[0], g.world, g.rank)
+    if meta:
+        local = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=piece.dtype, device="meta")
+    else:
+        local = gather_entry(g, e, piece)[lo:hi].clone()
+    return DTensor.from_local(local, g.mesh, _placements(g), run_check=False,
+                              shape=e.shape, stride=_contiguous_stride(e.shape))
 
 
 # ------------------------------------------------------- tensor parallel
-# [Note: TP boxes] A DTensor parameter's entry holds its local TP shard
-# (``e.shape``); the flat boxes of that shard are offset by where the shard
-# sits in the global tensor (``e.tp.shape``), which DTensor fixes for plain
-# ``Shard(d)``: an even chunking, chunk ceil(n / T), mesh dims left to right.
+# [Note: TP origin] A DTensor parameter's entry holds its local TP shard
+# (``e.shape``), which sits in the global tensor (``e.tp.shape``) where
+# DTensor's even chunking puts it: chunk ceil(n / T), mesh dims left to right.
 def _tp_chunk(tp, coord) -> tuple[list, list]:
     """``(offsets, sizes)`` of the TP shard at mesh coordinate ``coord``."""
-    from torch.distributed.tensor import Replicate, Shard
     off, size = [0] * len(tp.shape), list(tp.shape)
     for k, pl in enumerate(tp.placements):
         if type(pl) is Shard:
@@ -113,19 +160,6 @@ def _tp_chunk(tp, coord) -> tuple[list, list]:
     return off, size
 
 
-def _tp_even(tp) -> bool:
-    """Every TP rank's shard has the same shape (so the same flat layout)."""
-    from torch.distributed.tensor import Shard
-    size = list(tp.shape)
-    for k, pl in enumerate(tp.placements):
-        if type(pl) is Shard:
-            d, n = pl.dim % len(size), tp.mesh.size(k)
-            if size[d] % n:
-                return False
-            size[d] //= n
-    return True
-
-
 def _tp_origin(e) -> tuple | None:
     """Where this rank's local TP shard of entry ``e`` starts in the global tensor."""
     if e.tp is None:
@@ -138,136 +172,17 @@ def _tp_origin(e) -> tuple | None:
     return tuple(off)
 
 
-def _shift(boxes, origin):
-    if origin is None:
-        return boxes
-    return [(tuple(o + x for o, x in zip(b[0], origin)),) + tuple(b[1:]) for b in boxes]
-
-
-def _tp_peers(g, e) -> list[tuple[int, tuple, tuple]]:
-    """``[(dp group rank, TP chunk offsets, global rank)]`` for every rank whose
-    boxes of ``e`` belong in this rank's ShardedTensor metadata.
-
-    Along ``Shard`` TP mesh dims that is every coordinate; along ``Replicate``
-    dims only this rank's own (its replicas hold the same boxes; each rank lists
-    its own replica set, so the metadata never overlaps and DCP, which dedups
-    identical write items across ranks, saves a replicated box once and loads it
-    on every rank).
-
-    Global ranks, without a collective: the rank at (dp index r, TP coordinate
-    c) is ``dp_ranks[r] + tp_mesh[c] - me``. This assumes the ranks of the
-    (dp, tp) mesh form an affine grid (rank = base + Σ coordinate·stride), true
-    of ``init_device_mesh`` and of any mesh made by reshaping/transposing an
-    ``arange`` of ranks. (A submesh does not expose its parent's rank grid
-    through a public API.) The metadata's ranks are labels: DCP plans from each
-    rank's local shards, and torch only checks that the label of each of our
-    own boxes is us and that every label is in the process group (the world).
-    """
-    import itertools
-
-    from torch.distributed.tensor import Shard
-    tp = e.tp
-    me = dist.get_rank()
-    dp_ranks = dist.get_process_group_ranks(g.pg)
-    mine = tuple(tp.mesh.get_coordinate())
-    grid = tp.mesh.mesh
-    axes = [range(tp.mesh.size(k)) if type(pl) is Shard else (mine[k],)
-            for k, pl in enumerate(tp.placements)]
-    out = []
-    for r in range(len(dp_ranks)):
-        for c in itertools.product(*axes):
-            off, _ = _tp_chunk(tp, c)
-            out.append((r, tuple(off), dp_ranks[r] + int(grid[c]) - me))
-    return out
-
-
-def sharded_value(g, e, local: torch.Tensor) -> torch.Tensor:
-    """What a state dict holds for parameter ``e`` (or a state tensor of it):
-    a ShardedTensor of the global shape whose local shards view ``local``.
-    For a TP (DTensor) parameter the boxes are those of its local TP shard,
-    offset into its global shape (see [Note: TP boxes])."""
-    gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
-    if math.prod(gshape) == 0 or (e.tp is None and e.numel == 0):
-        return local.new_empty(gshape)  # nobody holds a box of it: a (replicated) empty tensor
-    if e.tp is None:
-        ranks = dist.get_process_group_ranks(g.pg)
-        everyone = [(o, s, ranks[r]) for r, a, b in _rank_ranges(g, e)
-                    for o, s in flat_boxes(e.shape, a, b)]
-        pg, me = g.pg, ranks[g.rank]
-    else:
-        if not _tp_even(e.tp):
-            # Other TP ranks' flat layouts would differ from ours (their shards'
-            # shapes do): not computable from this rank's layout alone.
-            raise NotImplementedError(_msg(e.fqn, f"sharded state dict of a DTensor parameter "
-                                           f"whose shape {tuple(e.tp.shape)} does not divide "
-                                           f"evenly over {e.tp.placements}; use "
-                                           "full_state_dict=True."))
-        ranges = {r: (a, b) for r, a, b in _rank_ranges(g, e)}
-        everyone = [(tuple(o + x for o, x in zip(bo, origin)), s, grank)
-                    for r, origin, grank in _tp_peers(g, e) if r in ranges
-                    for bo, s in flat_boxes(e.shape, *ranges[r])]
-        pg, me = None, dist.get_rank()  # the world: the metadata names dp and TP ranks
-    mine = _shift(_box_views(e.shape, e.local_range, local), _tp_origin(e))
-    if not mine and gshape:
-        # This rank holds none of it. DCP's planners drop a ShardedTensor with no
-        # local shard from the rank's state dict, and a key missing on one rank
-        # sends DCP's load down its pre-2.4 key path (then it fails on nested
-        # keys). So hold an empty box just past the end of dim 0.
-        o, s = (gshape[0],) + (0,) * (len(gshape) - 1), (0,) + tuple(gshape[1:])
-        mine = [(o, s, local[:0].view(s))]
-        everyone.append((o, s, me))
-    st = _compat.sharded_tensor(gshape, local.dtype, mine, everyone, pg)
-    st._fsdp_compose_local = (e, local)  # set_state_dict adopts ``local`` (DCP loaded into it)
-    return st
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
-
-
 def load_into(shape, local_range, value: Any, dst: torch.Tensor, *,
               tp: tuple | None = None) -> str | None:
-    """Copy this rank's piece (``local_range`` of the flattened tensor) of
-    ``value`` into ``dst``. ``value``: a ShardedTensor, a replicated DTensor or
-    a full tensor of ``shape``. Returns what is wrong, or None.
+    """Copy this rank's piece (``local_range`` of the flattened tensor) of the
+    full tensor ``value`` (of ``shape``) into ``dst``. Returns what is wrong,
+    or None.
 
     ``tp=(global_shape, origin)``: ``shape`` is a local TP shard that starts at
     ``origin`` in a tensor of ``global_shape``, which is what ``value`` holds."""
     shape = tuple(shape)
     gshape, origin = (tuple(tp[0]), tuple(tp[1])) if tp is not None else (shape, None)
     a, b = local_range
-    if _compat.is_sharded_tensor(value):
-        theirs_shape = _compat.sharded_tensor_global_shape(value)
-        if theirs_shape != gshape:
-            return f"the checkpoint's tensor has shape {theirs_shape}, the model's is {gshape}."
-        theirs = _compat.sharded_tensor_local_boxes(value)
-        covered = 0
-        for o, s, d in _shift(_box_views(shape, local_range, dst), origin):
-            for so, t in theirs:
-                lo = [max(x, y) for x, y in zip(o, so)]
-                hi = [min(x + n, y + m) for x, n, y, m in zip(o, s, so, t.shape)]
-                if any(l_ >= h for l_, h in zip(lo, hi)):
-                    continue
-                dv, sv = d, t
-                for dim, (l_, h) in enumerate(zip(lo, hi)):
-                    dv = dv.narrow(dim, l_ - o[dim], h - l_)
-                    sv = sv.narrow(dim, l_ - so[dim], h - l_)
-                if not _same_memory(dv, sv):  # DCP already loaded into our views
-                    dv.copy_(sv)
-                covered += math.prod(h - l_ for l_, h in zip(lo, hi))
-        if covered != b - a:
-            return ("this ShardedTensor's shards on this rank do not hold this rank's piece "
-                    f"(elements [{a}, {b}) of the flattened tensor; it was made for another "
-                    "layout). Load it with torch.distributed.checkpoint, which reshards, or "
-                    "pass a full tensor.")
-        return None
-    if isinstance(value, torch.distributed.tensor.DTensor):
-        if not all(p.is_replicate() for p in value.placements):
-            return (f"a sharded DTensor (placements {value.placements}) holds other ranks' "
-                    "pieces. Load it with torch.distributed.checkpoint, which reshards, or pass "
-                    "value.full_tensor().")
-        value = value.to_local()
     if not isinstance(value, torch.Tensor):
         return f"expected a tensor, got {type(value).__name__}."
     if tuple(value.shape) != gshape:
@@ -282,6 +197,19 @@ def load_into(shape, local_range, value: Any, dst: torch.Tensor, *,
 
 
 def _load_entry(e, value: Any, dst: torch.Tensor) -> str | None:
+    """Copy this rank's piece of ``value`` into ``dst`` (``e``'s piece,
+    flattened). ``value``: a DTensor of any placements (``full_tensor()``, a
+    collective over its mesh, unless it is ``e``'s own TP DTensor), or a full
+    tensor of the global shape."""
+    gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != gshape:
+            return (f"the checkpoint's tensor has shape {tuple(value.shape)}, the model's is "
+                    f"{gshape}.")
+        if (e.tp is not None and value.device_mesh == e.tp.mesh
+                and tuple(value.placements) == tuple(e.tp.placements)):
+            return load_into(e.shape, e.local_range, value.to_local(), dst)
+        value = value.full_tensor()
     tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
     return load_into(e.shape, e.local_range, value, dst, tp=tp)
 
@@ -313,21 +241,25 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
             if id(e) in _FULL:
                 sd[key] = _FULL[id(e)]
         else:
-            sd[key] = sharded_value(g, e, e.sharded.detach().view(-1))
+            sd[key] = to_dtensor(g, e, e.sharded.detach())
 
 
 def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                    error_msgs) -> None:
+    assign = bool(local_metadata.get("assign_to_params_buffers", False))
     for name, (unit, g, e) in state_dict_slots(module).items():
         key = prefix + name
         if key not in sd:
             continue
         if g.device.type == "meta":
-            error_msgs.append(_msg(key, "the model's parameters are on the meta device; call "
-                                   "model.to_empty(device=...) (or fsdp_compose.materialize("
-                                   "model)) before loading."))
-            sd[key] = e.sharded
-            continue
+            if not assign or _is_meta(sd[key]):
+                error_msgs.append(_msg(key, "the model's parameters are on the meta device; call "
+                                       "model.to_empty(device=...) (or fsdp_compose.materialize("
+                                       "model)) before loading, or load with assign=True."))
+                sd[key] = e.sharded
+                continue
+            g.materialize_(g.mesh_device)  # assign=True: storage first, then this rank's rows
+            SHARDED.add_groups([g])
         if module._parameters.get(name) is not e.sharded:  # full-shape views installed
             if unit.state is not TrainingState.IDLE:
                 error_msgs.append(_msg(key, f"load_state_dict inside forward/backward (unit "
@@ -339,6 +271,10 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
         if err:
             error_msgs.append(_msg(key, err))
         sd[key] = e.sharded  # the default load then copies the Parameter onto itself: no-op
+
+
+def _is_meta(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_meta
 
 
 def _msg(fqn: str, what: str) -> str:
@@ -399,7 +335,7 @@ def _is_sharded_state(v: Any, p: torch.Tensor) -> bool:
     state (exp_avg ...); anything else (step, scalars) is taken as replicated.
     (A sharded parameter is a row piece (the full shape at world size 1); a 0-d
     parameter's piece is 1-D, so its 0-d ``step`` is not mistaken for it.)"""
-    return (isinstance(v, torch.Tensor) and not _compat.is_sharded_tensor(v) and v.dim() >= 1
+    return (isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() >= 1
             and v.shape == p.shape)
 
 
@@ -483,6 +419,122 @@ def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -
     return out
 
 
+# ---------------------------------------------------- optimizer state dicts
+def _world_group_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def optim_state_to_dtensors(optim, osd: dict) -> dict:
+    """``osd`` (``optim.state_dict()``, keyed by parameter index) with the
+    per-element state of every sharded parameter as DTensors in FSDP2's form
+    (see [Note: state dicts in FSDP2's form]); a collective (every rank of the
+    default group). Values already DTensors are left alone; the live state is
+    never modified (its dicts are replaced, not written)."""
+    keyed = _keyed_params(optim, osd)
+    params = dict(keyed)
+    mine: dict = {}
+    for pid, p in keyed:
+        hit = SHARDED.get(p)
+        st = osd["state"].get(pid)
+        if hit is None or st is None:
+            continue
+        mine[pid] = {k: (("piece", v.dtype) if _is_sharded_state(v, p)
+                         else ("value", v.detach().cpu() if isinstance(v, torch.Tensor) else v))
+                     for k, v in st.items() if not isinstance(v, DTensor)}
+    merged = {pid: dict(info) for pid, info in mine.items()}
+    if _world_group_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for theirs in every:  # rank order: the same merge on every rank
+            for pid, info in theirs.items():
+                m = merged.setdefault(pid, {})
+                for k, v in info.items():
+                    m.setdefault(k, v)
+    state = dict(osd["state"])
+    for pid, p in keyed:
+        if pid not in merged:
+            continue
+        g, e = SHARDED.get(p)
+        old = osd["state"].get(pid, {})
+        new = dict(old)
+        for k, (kind, v) in merged[pid].items():
+            if kind == "piece":
+                piece = old.get(k)
+                if piece is None:  # none here (a whole-tensor optimizer, 0 rows held)
+                    piece = torch.zeros(p.shape, dtype=v, device=p.device)
+                new[k] = to_dtensor(g, e, piece.detach())
+            elif k not in new:
+                new[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        state[pid] = new
+    return {**osd, "state": state}
+
+
+def optim_state_from_dtensors(optim, osd: dict) -> dict:
+    """``osd`` with every DTensor (or full-shape tensor) of a sharded
+    parameter's state replaced by this rank's rows; a collective where values
+    are sharded DTensors (every rank, same order: by parameter index). Where
+    this rank holds none of a parameter the state is as in training: empty
+    for an element-wise optimizer, none for one that needs whole tensors
+    (see [Note: optimizers on sharded parameters] in _torch_hooks.py)."""
+    state = dict(osd.get("state", {}))
+    for pid, p in _keyed_params(optim, osd):
+        if pid not in state:
+            continue
+        hit = SHARDED.get(p)
+        if hit is None:
+            continue
+        g, e = hit
+        new = {k: _local_state(e.fqn, k, v, p, hit) for k, v in state[pid].items()}
+        if e.held_elsewhere() and not steps_empty_pieces(optim):
+            del state[pid]
+        else:
+            state[pid] = new
+    return {**osd, "state": state}
+
+
+def _keyed_params(optim, osd: dict) -> list:
+    """``[(key in osd["state"], parameter)]`` in parameter order: the keys are
+    what ``osd``'s param_groups list (indices, or FQNs from torch's
+    ``set_optimizer_state_dict``), matched by position as
+    ``Optimizer.load_state_dict`` does."""
+    params = [p for grp in optim.param_groups for p in grp["params"]]
+    keys = [k for grp in osd.get("param_groups", []) for k in grp["params"]]
+    if len(keys) != len(params):
+        keys = list(range(len(params)))  # (torch's load raises on the mismatch itself)
+    return list(zip(keys, params))
+
+
+_ATTACHED: "weakref.WeakSet" = None  # optimizers whose state dicts we convert
+
+
+def attach_optimizer(optim) -> None:
+    """Give ``optim`` the state-dict hooks of [Note: state dicts in FSDP2's
+    form] (once), and convert state loaded before its first step."""
+    global _ATTACHED
+    import weakref
+    if _ATTACHED is None:
+        _ATTACHED = weakref.WeakSet()
+    if optim in _ATTACHED:
+        return
+    _ATTACHED.add(optim)
+    optim.register_state_dict_post_hook(lambda o, sd: optim_state_to_dtensors(o, sd))
+    optim.register_load_state_dict_pre_hook(lambda o, sd: optim_state_from_dtensors(o, sd))
+    loaded = any(isinstance(v, DTensor) for st in optim.state.values() for v in st.values())
+    if loaded:
+        fixed = optim_state_from_dtensors(optim, _raw_state_dict(optim))
+        params = [p for grp in optim.param_groups for p in grp["params"]]
+        optim.state.clear()
+        for pid, st in fixed["state"].items():
+            optim.state[params[pid]] = st
+
+
+def _raw_state_dict(optim) -> dict:
+    """``{"state": {index: state}}`` of ``optim`` without its state-dict hooks."""
+    params = [p for grp in optim.param_groups for p in grp["params"]]
+    return {"state": {i: dict(optim.state[p]) for i, p in enumerate(params) if p in optim.state},
+            "param_groups": [{"params": list(range(len(params)))}]}
+
+
 # ------------------------------------------------- get / set state dict
 def _as_list(optimizers) -> list:
     if optimizers is None:
@@ -541,7 +593,8 @@ def _ensure_optim_state(optim) -> None:
 
 
 def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
-    osd = optim.state_dict()
+    attach_optimizer(optim)
+    osd = optim.state_dict() if full is None else _state_dict_unhooked(optim)
     params = [p for grp in optim.param_groups for p in grp["params"]]
     missing = [i for i, p in enumerate(params) if p not in fqns]
     if missing:
@@ -553,26 +606,32 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
     for pid, p in enumerate(params):
         hit = SHARDED.get(p)
         if full is not None and hit is not None:
-            # every rank's state, also where this rank keeps none (empty piece)
+            # every rank's state, also where this rank keeps none (0 rows held)
             if id(hit[1]) in full:
                 state[fqns[p]] = full[id(hit[1])]
             continue
         st = osd["state"].get(pid)
         if st is None:
             continue
-        new = {}
-        for k, v in st.items():
-            if hit is not None and _is_sharded_state(v, p):
-                g, e = hit
-                new[k] = sharded_value(g, e, v.reshape(-1))
-            elif full is not None and isinstance(v, torch.Tensor):
-                new[k] = v.clone()  # a full state dict is a snapshot (step is updated in place)
-            else:
-                new[k] = v
-        state[fqns[p]] = new
+        state[fqns[p]] = {k: (v.clone() if full is not None and isinstance(v, torch.Tensor)
+                              else v)  # a full state dict is a snapshot (step is updated in place)
+                          for k, v in st.items()}
     groups = [{**{k: v for k, v in grp.items() if k != "params"},
                "params": [fqns[params[i]] for i in grp["params"]]} for grp in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _state_dict_unhooked(optim) -> dict:
+    """``optim.state_dict()`` without our conversion (the full path gathers itself)."""
+    params = [p for grp in optim.param_groups for p in grp["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    groups, at = [], 0
+    for grp in optim.param_groups:
+        groups.append({**{k: v for k, v in grp.items() if k != "params"},
+                       "params": list(range(at, at + len(grp["params"])))})
+        at += len(grp["params"])
+    return {"state": {index[id(p)]: st for p, st in optim.state.items() if id(p) in index},
+            "param_groups": groups}
 
 
 def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = False,
@@ -580,13 +639,14 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
     """``(model_state_dict, optim_state_dict)`` of a sharded model, like
     ``torch.distributed.checkpoint.state_dict.get_state_dict``.
 
-    Default (sharded): every parameter is a ``ShardedTensor`` of its global
-    shape whose local shards are views of this rank's shard; optimizer state
-    is keyed by parameter FQN, and its per-element tensors (``exp_avg`` ...)
-    are ShardedTensors of the parameter's shape (views of the live state);
-    scalars such as ``step`` are as they are. No collective: pass both to
+    Default (sharded): FSDP2's form (see [Note: state dicts in FSDP2's
+    form]): every sharded parameter is a DTensor of its global shape placed
+    ``Shard(0)`` over its shard mesh, a copy of this rank's chunk; optimizer
+    state is keyed by parameter FQN, its per-element tensors (``exp_avg`` ...)
+    DTensors like their parameter's, scalars such as ``step`` as they are. A
+    collective (every rank calls it): pass both to
     ``torch.distributed.checkpoint.save``, or to ``.load`` and then
-    ``set_state_dict`` (it loads in place).
+    ``set_state_dict``.
 
     ``full_state_dict=True``: plain full tensors (one all-gather per flat
     group and state key, every rank in the same order). With
@@ -658,18 +718,18 @@ def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,
 
 
 def _load_optim(optim, osd: dict, fqns: dict) -> None:
-    optim.load_state_dict(_optim_load_dict(optim, osd, fqns))
+    optim.load_state_dict(optim_state_from_dtensors(optim, _optim_load_dict(optim, osd, fqns)))
 
 
 def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
-    """What ``optim.load_state_dict`` takes, from ``osd`` (keyed by FQN); checks
-    and builds without touching ``optim``."""
+    """What ``optim.load_state_dict`` takes, from ``osd`` (keyed by FQN), its
+    values as given (``optim_state_from_dtensors`` makes them this rank's
+    rows); checks and builds without touching ``optim``, no collective."""
     if "state" not in osd or "param_groups" not in osd:
         raise ValueError("fsdp_compose.set_state_dict: optim_state_dict must have 'state' and "
                          "'param_groups' (as returned by get_state_dict).")
     loaded_state, loaded_groups = osd["state"], osd["param_groups"]
     where = {fqn: grp for grp in loaded_groups for fqn in grp["params"]}
-    empty_pieces = _torch_hooks.steps_empty_pieces(optim)
     new_state, new_groups, pid = {}, [], 0
     for i, grp in enumerate(optim.param_groups):
         ids, src = [], None
@@ -680,14 +740,8 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
                                  f"of shape {tuple(p.shape)} that is not a parameter of this "
                                  "model. Pass the model the optimizer was built for.")
             src = src or where.get(fqn)
-            hit = SHARDED.get(p)
-            # where this rank holds none of it, state as in training: empty tensors
-            # for an element-wise optimizer, none for a whole-tensor one
-            # ([Note: optimizers on sharded parameters] in _torch_hooks.py)
-            if fqn in loaded_state and (empty_pieces or hit is None
-                                        or not hit[1].held_elsewhere()):
-                new_state[pid] = {k: _local_state(fqn, k, v, p, hit)
-                                  for k, v in loaded_state[fqn].items()}
+            if fqn in loaded_state:  # as loaded: optim_state_from_dtensors converts
+                new_state[pid] = dict(loaded_state[fqn])
             ids.append(pid)
             pid += 1
         if src is None:
@@ -702,18 +756,18 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
 
 
 def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
+    """This rank's piece of optimizer state ``v`` of sharded parameter ``p``:
+    ``v`` itself unless it is a DTensor or a full tensor of the global shape."""
     if hit is None:
         return v
     g, e = hit
-    sharded = _compat.is_sharded_tensor(v)
     gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
-    full = isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == gshape
-    if not (sharded or full):
+    full = (isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+            and tuple(v.shape) == gshape and tuple(v.shape) != tuple(p.shape))
+    if not (isinstance(v, DTensor) or full):
         return v
-    src = getattr(v, "_fsdp_compose_local", None) if sharded else None
-    if src is not None and src[0] is e and src[1].numel() == p.numel():
-        return src[1].view(p.shape)  # our own get_state_dict's tensor, filled in place by DCP
-    dst = torch.empty(p.shape, dtype=v.dtype, device=p.device)
+    dtype = v.dtype
+    dst = torch.empty(p.shape, dtype=dtype, device=p.device)
     err = _load_entry(e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))

@@ -208,61 +208,6 @@ def outside_functorch(fn: Callable) -> Callable:
     return run
 
 
-# --------------------------------------------------------------------------
-# Checkpoints: ShardedTensor, see docs/design.md "Checkpoints".
-# --------------------------------------------------------------------------
-def sharded_tensor(global_shape, dtype: torch.dtype, local: list, everyone: list, pg):
-    """A ``ShardedTensor`` of ``global_shape`` from this rank's boxes, no collective.
-
-    ``local``: ``[(offsets, sizes, tensor)]``, the tensors are views of our
-    shard (DCP writes into them on load). ``everyone``: ``[(offsets, sizes,
-    global_rank)]`` for every rank's boxes, computed from the flat layout.
-
-    Why private: ``torch.distributed._shard`` is the package DCP's sharded
-    save/load path understands besides DTensor (DTensor cannot describe a flat
-    slice of a row-major tensor). Its public constructor
-    (``init_from_local_shards``) all-gathers the shards' metadata; the
-    classmethod below takes metadata every rank built alone, which is the
-    point of our design: no collective in ``state_dict()``.
-    """
-    import warnings
-
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                  TensorProperties)
-
-    me = torch.distributed.get_rank()
-    dev = str(local[0][2].device) if local else "cpu"
-    pinned = bool(local) and local[0][2].is_pinned()
-    shards_md = [ShardMetadata(list(o), list(s), f"rank:{r}/{dev}") for o, s, r in everyone]
-    props = TensorProperties(dtype=dtype, requires_grad=False, pin_memory=pinned)
-    md = ShardedTensorMetadata(shards_md, torch.Size(global_shape), props)
-    shards = [Shard(t, ShardMetadata(list(o), list(s), f"rank:{me}/{dev}")) for o, s, t in local]
-    with warnings.catch_warnings():  # torch announces ShardedTensor's deprecation on use
-        warnings.simplefilter("ignore", FutureWarning)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, md, process_group=pg)
-
-
-def is_sharded_tensor(value: Any) -> bool:
-    """True for a ``ShardedTensor`` (e.g. one our ``state_dict()`` made)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(value, ShardedTensor)
-
-
-def sharded_tensor_local_boxes(value: Any) -> list:
-    """``[(offsets, tensor)]``: a ``ShardedTensor``'s boxes held by this rank."""
-    return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
-
-
-def sharded_tensor_global_shape(value: Any) -> tuple:
-    """A ``ShardedTensor``'s global shape, read from its metadata (``.size()``
-    goes through its deprecated ``__torch_function__``, which warns)."""
-    return tuple(value.metadata().size)
-
-
 def guard_torch_clip_helper(check: Callable[[Any], None]) -> None:
     """Make torch's own ``clip_grad_norm_`` call ``check(parameters)`` before clipping.
 

@@ -125,7 +125,7 @@ class FlatGroup(GradientPath):
                  reduce_dtype: torch.dtype | None = None,
                  offload: bool = False, pin_memory: bool = True,
                  replicate_pg=None, post_forward: PostForward | None = None,
-                 granularity: str = "row"):
+                 granularity: str = "row", mesh=None):
         # params: [(param, [(module, name), ...], rel_fqn)] in registration order
         first = params[0][0]
         # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
@@ -134,6 +134,9 @@ class FlatGroup(GradientPath):
         self.world, self.rank = world, rank
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _backward_schedule.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
+        self.mesh = mesh  # the unit's DeviceMesh (state dicts place DTensors on it)
+        self.divide_factor: float | None = None  # set_gradient_divide_factor (None: the mean)
+        self.force_sum = False                   # set_force_sum_reduction_for_comms
         self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
         self.post_forward = post_forward
         self.offload, self.pin_memory = offload, pin_memory

@@ -12,6 +12,7 @@ import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
 from . import _divergence
 from ._common import Gather, Kept, RootSettings, TrainingState, root_setting_fix, unit_error
@@ -20,13 +21,20 @@ from ._registry import SHARDED, unit_of
 from ._unit import Unit
 
 
-class FSDPModule:
+class FSDPModule(_TorchFSDPModule):
     """Mixed into the class of every module ``fully_shard`` was applied to.
 
-    ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m,
-    OriginalClass)`` still holds. A list unit's modules share one unit, so any
-    of them unshards/reshards all of it.
+    ``isinstance(m, FSDPModule)`` tells a sharded module, and so does
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` (a stack that checks
+    for FSDP2's class finds ours: every public method of torch's is defined
+    here, with FSDP2's meaning or an error saying why it cannot apply);
+    ``isinstance(m, OriginalClass)`` still holds. A list unit's modules share
+    one unit, so any of them unshards/reshards all of it.
     """
+
+    def __new__(cls, *args, **kwargs):
+        # (torch's FSDPModule.__new__ strips its own class by MRO position)
+        return object.__new__(cls)
 
     def _unit(self) -> Unit:
         return unit_of(self)
@@ -239,6 +247,113 @@ class FSDPModule:
                              f"{depth!r}.", exc=ValueError)
         self._root_setting("set_prefetch_depth").prefetch_depth = depth
         _divergence.settings_changed()
+
+
+    # ------------------------------------------ the rest of FSDP2's FSDPModule
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery call after an exception aborted a forward or
+        backward. Here the next forward recovers by itself (see "When ranks
+        diverge" in the README), so this only checks that it is called on the
+        root, as FSDP2 does."""
+        unit = self._unit()
+        if unit.ctx is not None and not unit.is_root:
+            raise unit_error(unit.fqn, "reset_iter_state() must be called on the root module.",
+                             "Call it on the module the top-level fully_shard was applied to.",
+                             exc=RuntimeError)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of by the
+        number of data-parallel ranks (1.0: a plain sum, as torchtitan uses when
+        it normalises the loss by the global token count). Not recursive, as in
+        FSDP2; every rank must use the same factor."""
+        factor = float(factor)
+        if not factor > 0:
+            raise unit_error(self._unit().fqn, f"gradient divide factor {factor} must be > 0.",
+                             exc=ValueError)
+        for g in self._unit().groups:
+            g.divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """The same as ``set_gradient_divide_factor`` (FSDP2's older name)."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With True, this unit's reductions use ``ReduceOp.SUM`` only, followed by
+        a division (never an average or pre-multiplied sum on the wire). Not
+        recursive, as in FSDP2."""
+        for g in self._unit().groups:
+            g.force_sum = bool(enable)
+
+    def set_post_optim_event(self, event) -> None:
+        """FSDP2 waits its all-gathers on ``event`` instead of the current
+        stream. Our all-gathers always wait the current (compute) stream, which
+        the optimizer step ran on, so the event's ordering already holds: it is
+        accepted and needs no further wait."""
+        self._root_setting("set_post_optim_event")
+        if not (hasattr(event, "record") and hasattr(event, "wait")):
+            raise unit_error(self._unit().fqn, f"set_post_optim_event needs an event, got "
+                             f"{type(event).__name__}.", exc=TypeError)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """Always on here: a unit or parameter without a gradient on a rank
+        takes part in the reduce-scatter with zeros (README, "Where we differ
+        from FSDP2"); False cannot turn that off, because it is what keeps ranks
+        that used different parameters from hanging."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """FSDP2's cap on its reduce-scatter copy-in buffers. There are none here:
+        the reduce-scatter reads the flat gradient autograd produced (zero-copy),
+        so nothing is capped; accepted for a drop-in."""
+        if int(max_input_buffers) < 1:
+            raise unit_error(self._unit().fqn, "max_input_buffers must be >= 1.", exc=ValueError)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """Reduce-scatters already run on their own process group here (see
+        docs/design.md, "Collective order"); accepted for a drop-in."""
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Not supported: the all-gather writes straight into the unit's flat
+        buffer, which the parameters are views of (zero-copy); FSDP2's custom
+        comm allocates its own output buffers, which our parameters cannot view."""
+        raise _unsupported(self, "set_custom_all_gather", "the all-gather writes into the flat "
+                           "buffer the parameters are views of; a custom comm's own buffers "
+                           "cannot be.")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Not supported (see ``set_custom_all_gather``): the reduce-scatter reads
+        the flat gradient autograd produced and writes the gradient shard."""
+        raise _unsupported(self, "set_custom_reduce_scatter", "the reduce-scatter reads the flat "
+                           "gradient autograd produced and writes the gradient shard in place.")
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Not supported: the HSDP all-reduce and the used-flags share the
+        reduction here, so a user hook cannot replace it."""
+        raise _unsupported(self, "set_all_reduce_hook", "the HSDP all-reduce carries the "
+                           "used-flags that decide which p.grad stay None.")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """False (the default) is accepted. True is not supported: the collectives
+        read and write the flat buffers themselves, which the caching allocator
+        owns."""
+        if enable:
+            raise _unsupported(self, "set_allocate_memory_from_process_group_for_comm(True)",
+                               "the collectives use the flat buffers themselves (zero-copy), "
+                               "which the caching allocator owns.")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric-memory staging buffers are FSDP2's copy-in
+        buffers; here the all-gather output is the flat buffer itself."""
+        raise _unsupported(self, "set_symm_mem_for_comm", "the all-gather output is the flat "
+                           "buffer the parameters view, not a staging buffer.")
+
+
+def _unsupported(module, what: str, why: str) -> NotImplementedError:
+    return unit_error(module._unit().fqn, f"{what} is not supported by fsdp_compose: {why}",
+                      "Leave it unset; the default path is the one this library optimises.",
+                      exc=NotImplementedError)
 
 
 def _check_bucket_bytes(unit, nbytes) -> None:

@@ -158,14 +158,33 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
                       offload=offload is not None,
                       pin_memory=bool(offload is not None and offload.pin_memory),
                       replicate_pg=replicate_pg, post_forward=post_forward,
-                      granularity=granularity)
+                      granularity=granularity, mesh=mesh)
             for items in by_key.values()]
 
 
+def _from_torch_policies(mp_policy, offload_policy):
+    """torch FSDP2's ``MixedPrecisionPolicy`` / ``OffloadPolicy`` /
+    ``CPUOffloadPolicy`` objects as ours (the same fields and meaning), so a
+    stack that builds torch's policies and calls our ``fully_shard`` works."""
+    from torch.distributed import fsdp as tfsdp
+    if isinstance(mp_policy, tfsdp.MixedPrecisionPolicy):
+        mp_policy = MixedPrecisionPolicy(param_dtype=mp_policy.param_dtype,
+                                         reduce_dtype=mp_policy.reduce_dtype,
+                                         output_dtype=mp_policy.output_dtype,
+                                         cast_forward_inputs=mp_policy.cast_forward_inputs)
+    if isinstance(offload_policy, tfsdp.CPUOffloadPolicy):
+        offload_policy = CPUOffloadPolicy(pin_memory=offload_policy.pin_memory)
+    elif isinstance(offload_policy, tfsdp.OffloadPolicy):
+        offload_policy = OffloadPolicy()
+    return mp_policy, offload_policy
+
+
 def _check_policies(label: str, mp_policy, offload_policy):
+    mp_policy, offload_policy = _from_torch_policies(mp_policy, offload_policy)
     if mp_policy is not None:
         if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise unit_error(label, f"mp_policy must be a fsdp_compose.MixedPrecisionPolicy, got "
+            raise unit_error(label, f"mp_policy must be a MixedPrecisionPolicy (fsdp_compose's or "
+                             f"torch.distributed.fsdp's), got "
                              f"{mp_policy!r}.", exc=TypeError)
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dt = getattr(mp_policy, name)
@@ -173,8 +192,9 @@ def _check_policies(label: str, mp_policy, offload_policy):
                 raise unit_error(label, f"MixedPrecisionPolicy.{name} must be a floating-point "
                                  f"torch.dtype or None, got {dt!r}.", exc=ValueError)
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise unit_error(label, f"offload_policy must be fsdp_compose.CPUOffloadPolicy() (or "
-                         f"OffloadPolicy() for none), got {offload_policy!r}.", exc=TypeError)
+        raise unit_error(label, f"offload_policy must be CPUOffloadPolicy() (or OffloadPolicy() "
+                         f"for none; fsdp_compose's or torch.distributed.fsdp's), got "
+                         f"{offload_policy!r}.", exc=TypeError)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     return mp_policy, offload
 
@@ -280,12 +300,31 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     reshard_after_forward, post_forward_size = _check_reshard_after_forward(
         label, reshard_after_forward, shard_world)
     params = _collect(modules, ignored, label)
+    _check_all_gather_extension(label, params)
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
                             shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
                 mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
     _attach(unit, modules, params, device)
     return module
+
+
+def _check_all_gather_extension(label: str, params: list) -> None:
+    """A parameter whose tensor subclass defines FSDP2's all-gather extension
+    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: torchao's float8
+    weights with ``enable_fsdp_float8_all_gather``) chooses what is gathered.
+    Our flat buffers would gather it in its own dtype instead, and the subclass
+    would compute from other values than under FSDP2: refused, naming it."""
+    for p, _slots, fqn in params:
+        cls = type(p)
+        if hasattr(cls, "fsdp_pre_all_gather") or hasattr(cls, "fsdp_post_all_gather"):
+            raise unit_error(label, f"parameter '{fqn}' is a {cls.__name__}, whose class "
+                             "defines FSDP2's all-gather extension (fsdp_pre_all_gather / "
+                             "fsdp_post_all_gather), which fsdp_compose does not support yet: "
+                             "it would be gathered in its own dtype, not as the extension "
+                             "chooses.", "Turn the extension off (torchao: Float8LinearConfig("
+                             "enable_fsdp_float8_all_gather=False)), or shard this model with "
+                             "torch.distributed.fsdp.fully_shard.", exc=NotImplementedError)
 
 
 def _check_modules(module) -> tuple[list[nn.Module], str]:

@@ -105,13 +105,21 @@ _REDUCE = "the reduce-scatter of its gradients"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _divide_factors(total: int, reduce_dtype: torch.dtype) -> tuple[float | None, float | None]:
+def _divide_factors(total: int, reduce_dtype: torch.dtype, factor: float | None = None,
+                    force_sum: bool = False) -> tuple[float | None, float | None]:
     """(pre, post) divisors for a SUM reduction over ``total`` ranks, or (None, None) for AVG.
 
     In fp16/bf16, summing W gradients then dividing can overflow (fp16) or lose
     the small ones; dividing by f before and W/f after (f a power of two near
     sqrt(W): exact scaling) keeps the partial sums in range.
+    ``factor`` (``set_gradient_divide_factor``): the sum is divided by it
+    instead of by ``total`` (1.0: a plain sum); ``force_sum``
+    (``set_force_sum_reduction_for_comms``): a SUM, then the division.
     """
+    if factor is not None:
+        return 1.0, float(factor)
+    if force_sum and total > 1 and reduce_dtype not in _LOW_PRECISION:
+        return 1.0, float(total)
     if reduce_dtype not in _LOW_PRECISION or total == 1:
         return None, None
     f = 1
@@ -317,7 +325,8 @@ class GradientPath:
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
-        return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas)
+        return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas,
+                self.divide_factor, self.force_sum)
 
     def flags_row(self, used: list[bool]) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied
@@ -340,8 +349,9 @@ class GradientPath:
             flat_grad = flat_grad.add_(self._unsynced)
             self._unsynced = None
         used, self._used = self._used, [False] * len(self.entries)
-        pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype)
-        if pre is not None:
+        pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype,
+                                    self.divide_factor, self.force_sum)
+        if pre is not None and pre != 1.0:
             flat_grad.div_(pre)
         return TakenGrad(flat_grad, used, pre, post)
 
@@ -379,7 +389,7 @@ class GradientPath:
                 _collectives.all_reduce(counts, dist.ReduceOp.SUM, self.replicate_pg, what)
         if used.inline:
             out, used.counts = out[:self.shard_numel], out[self.shard_numel:]
-        if post is not None:
+        if post is not None and post != 1.0:
             out.div_(post)
         if self.offload:  # device-to-host, folded once the copy has landed
             host = streams.to_host(out, self.dtype, self.pin_memory)

@@ -55,8 +55,7 @@ import torch.nn as nn
 
 from . import _compat
 from ._checkpoint import (_as_list, _optim_load_dict, _param_fqns, _units, get_state_dict,
-                          sharded_value)
-from ._registry import SHARDED
+                          optim_state_from_dtensors)
 from ._common import META_FIX, TrainingState, rank as _rank, unit_error
 
 
@@ -161,21 +160,20 @@ class _Stage:
             if isinstance(value, list):
                 self.made += [(out, k, v) for k, v in enumerate(out) if isinstance(v, torch.Tensor)]
             return out if isinstance(value, list) else type(value)(out)  # (DCP cannot set into a tuple)
-        if _compat.is_sharded_tensor(value):
-            e, local = value._fsdp_compose_local
-            buf = torch.empty(local.shape, dtype=local.dtype, device=self.device)
-            return sharded_value(SHARDED.get(e.sharded)[0], e, buf)
         if isinstance(value, torch.distributed.tensor.DTensor):
             local = value.to_local()
             return torch.distributed.tensor.DTensor.from_local(
-                torch.empty_like(local), value.device_mesh, value.placements, run_check=False,
+                torch.empty(local.shape, dtype=local.dtype, device=self.device),
+                value.device_mesh, value.placements, run_check=False,
                 shape=value.shape, stride=value.stride())
         if isinstance(value, torch.Tensor):
             return torch.empty(value.shape, dtype=value.dtype, device=self.device)
         return value  # DCP replaces it in the staging dict with the checkpoint's value
 
     def prepare(self):
-        """Check what DCP read; return the commit (copies only)."""
+        """Check what DCP read (local); return the commit: the conversion to
+        this rank's rows (collectives, which cannot fail: DCP checked every
+        shape) and copies."""
         for container, key, staged in self.made:
             if container[key] is not staged:
                 raise ValueError(
@@ -191,6 +189,7 @@ class _Stage:
             with torch.no_grad():
                 model.load_state_dict(msd, strict=True)
                 for o, osd in zip(optims, loads):
+                    osd = optim_state_from_dtensors(o, osd)
                     _copy_into_live(o, osd)
                     o.load_state_dict(osd)
         return commit
@@ -236,9 +235,7 @@ def _dtype_checked_planner():
                 md = self.metadata.state_dict_metadata.get(fqn)
                 if not isinstance(md, TensorStorageMetadata):
                     continue
-                if _compat.is_sharded_tensor(obj):
-                    dtype = obj.metadata().tensor_properties.dtype
-                elif isinstance(obj, torch.Tensor):
+                if isinstance(obj, torch.Tensor):
                     dtype = obj.dtype
                 else:
                     continue

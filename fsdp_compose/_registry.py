@@ -101,6 +101,17 @@ class ShardedParams:
     def pop(self, param) -> None:
         self._refs.pop(param, None)
 
+    def grad_owners(self, tensors) -> dict:
+        """``{id(t): parameter}`` for each of ``tensors`` that is the ``.grad``
+        of a sharded Parameter (one pass over the registry)."""
+        want = {id(t) for t in tensors}
+        out = {}
+        for p in list(self._refs.keys()):
+            grad = p.grad
+            if grad is not None and id(grad) in want and self.get(p) is not None:
+                out[id(grad)] = p
+        return out
+
     def add_groups(self, groups) -> None:
         """Register the sharded Parameters of ``groups`` (again, after they were re-made)."""
         for g in groups:

@@ -47,6 +47,10 @@ mesh; the same result DDP gets), and every other call to torch's function
 unchanged. A reference taken before that (``from torch.nn.utils import
 clip_grad_norm_`` before the first ``fully_shard``) still calls torch's own
 function; that path is made loud (see ``_compat.guard_torch_clip_helper``).
+``torch.nn.utils.get_total_norm`` (which torchtitan's clipping calls on the
+gradients, before ``clip_grads_with_norm_``) is routed the same way when any
+tensor it is given is the gradient of a sharded parameter; with the global
+norm, ``clip_grads_with_norm_`` (a local scaling) is right as it is.
 
 [Note: loss scaling]
 ``torch.amp.GradScaler.unscale_`` looks for inf/nan in the gradients this
@@ -73,21 +77,9 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from . import _compat, _divergence
 from ._common import rank as _rank, unit_error
+from ._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
+                           KINDS as _KINDS, optimizer_kind, steps_empty_pieces)
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
-
-ELEMENTWISE = "elementwise"    # exact on any piece
-WHOLE_TENSOR = "whole_tensor"  # exact where each piece is the whole tensor (or empty)
-GLOBAL = "global"              # reduces over all parameters: exact only unsharded
-_KINDS = (ELEMENTWISE, WHOLE_TENSOR, GLOBAL)
-
-_KIND_BY_CLASS: dict[type, str] = {}
-for _name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
-              "Adamax", "Rprop", "ASGD"):
-    _KIND_BY_CLASS[getattr(torch.optim, _name)] = ELEMENTWISE
-for _name in ("Muon", "Adafactor"):
-    if hasattr(torch.optim, _name):
-        _KIND_BY_CLASS[getattr(torch.optim, _name)] = WHOLE_TENSOR
-_KIND_BY_CLASS[torch.optim.LBFGS] = GLOBAL
 
 
 def declare_optimizer(cls: type, kind: str) -> None:
@@ -108,18 +100,6 @@ def declare_optimizer(cls: type, kind: str) -> None:
                          f"got {kind!r}.")
     _KIND_BY_CLASS[cls] = kind
     _checked.clear()
-
-
-def optimizer_kind(cls: type) -> str | None:
-    """The declared kind of ``cls``: its own, or that of the nearest base it
-    inherits ``step`` from; None if unknown."""
-    for c in cls.__mro__:
-        kind = _KIND_BY_CLASS.get(c)
-        if kind is not None:
-            return kind
-        if "step" in vars(c):  # its own step: a base's kind says nothing about it
-            return None
-    return None
 
 
 # optimizer -> (the parameter-list signature it was checked with, holds sharded parameters,
@@ -173,6 +153,9 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     if seen is None or seen[0] != sig:
         _check_optimizer(opt)
         seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt))
+        if seen[1]:  # its state dicts in FSDP2's form (and state loaded before this step)
+            from ._checkpoint import attach_optimizer
+            attach_optimizer(opt)
     if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
         _divergence.count_optimizer_step()
     if seen[2]:
@@ -185,13 +168,6 @@ def _step_post_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
 
 def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
     return any(p in SHARDED for g in opt.param_groups for p in g["params"])
-
-
-def steps_empty_pieces(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step()`` sees the empty gradients of parameters this rank
-    holds none of (element-wise optimizers), and so keeps (empty) state for
-    them, as DDP's optimizer does (see [Note: optimizers on sharded parameters])."""
-    return optimizer_kind(type(opt)) == ELEMENTWISE
 
 
 def _empty_pieces_to_hide(opt: torch.optim.Optimizer) -> tuple:
@@ -328,13 +304,28 @@ def _make_clip_dispatcher(original):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if _any_sharded(params):
             from .clip import clip_grad_norm_ as ours
-            return ours(params, max_norm, norm_type)
+            return ours(params, max_norm, norm_type, error_if_nonfinite, foreach)
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     clip_grad_norm_.__doc__ = original.__doc__
     clip_grad_norm_.__wrapped__ = original
     clip_grad_norm_._fsdp_compose_dispatch = True
     return clip_grad_norm_
+
+
+def _make_total_norm_dispatcher(original):
+    def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       foreach: bool | None = None):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if SHARDED.grad_owners(ts):
+            from .clip import get_total_norm as ours
+            return ours(ts, norm_type, error_if_nonfinite, foreach)
+        return original(ts, norm_type, error_if_nonfinite, foreach)
+
+    get_total_norm.__doc__ = original.__doc__
+    get_total_norm.__wrapped__ = original
+    get_total_norm._fsdp_compose_dispatch = True
+    return get_total_norm
 
 
 def _stale_clip_error(parameters) -> None:
@@ -365,5 +356,8 @@ def install() -> None:
         dispatcher = _make_clip_dispatcher(original)
         nn.utils.clip_grad.clip_grad_norm_ = dispatcher
         nn.utils.clip_grad_norm_ = dispatcher
+    original = nn.utils.get_total_norm
+    if not getattr(original, "_fsdp_compose_dispatch", False):
+        nn.utils.get_total_norm = _make_total_norm_dispatcher(original)
     _compat.guard_torch_clip_helper(_stale_clip_error)
     _guard_grad_scaler()

@@ -53,39 +53,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
-    inf = norm_type == float("inf")
-    classes: dict[tuple, list[torch.Tensor]] = {}
-    device = None
-    for p in params:
-        hit = SHARDED.get(p)
-        if hit is not None:
-            g, e = hit
-            key = (g.pg,) + (_shard_groups(e.tp.mesh, e.tp.placements) if e.tp else ())
-        elif isinstance(p, DTensor):
-            key = _shard_groups(p.device_mesh, p.placements)
-        else:
-            key = ()
-        key = tuple(pg for pg in key if dist.get_world_size(pg) > 1)
-        grads = classes.setdefault(key, [])  # every rank gets the same classes
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grads.append(grad)
-            device = device or grad.device
-    device = device or torch.device("cpu")
-    total = None
-    for key, grads in classes.items():
-        part = _local_norm(grads, norm_type, device, foreach)
-        if inf:
-            part = _all_reduce_max(part, key)
-        else:
-            part = part.pow(norm_type)  # a NaN or inf survives the SUM on every rank
-            for pg in key:
-                _collectives.all_reduce(part, dist.ReduceOp.SUM, pg)
-        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
-    if total is None:
-        total = torch.zeros((), device=device)
-    elif not inf:
-        total = total.pow(1.0 / norm_type)
+    total = _global_norm([(_key(p), p.grad) for p in params], norm_type, foreach)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"fsdp_compose [rank {_rank()}] clip_grad_norm_: the total norm of order {norm_type} "
@@ -104,12 +72,86 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     return total
 
 
+def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` over gradients of which some belong to
+    sharded parameters: the global norm, as DDP would compute it (what
+    ``torch.nn.utils.get_total_norm`` is routed to, see [Note:
+    torch.nn.utils.clip_grad_norm_] in _torch_hooks.py). Tensors that are not
+    such gradients count as replicated (a DTensor by its Shard dims). Every
+    rank must pass the gradients of the same parameters, except that a rank
+    holding none of a parameter may leave its (absent) gradient out."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    owners = SHARDED.grad_owners(ts)
+    items = [(_key(owners[id(t)]) if id(t) in owners else _key(t), t) for t in ts]
+    norm_type = float(norm_type)
+    total = _global_norm(items, norm_type, foreach, canonical=True)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"fsdp_compose [rank {_rank()}] get_total_norm: the total norm of order {norm_type} "
+            f"of the gradients over every rank is non-finite ({total.item()}); every rank "
+            "raises this. Set error_if_nonfinite=False to get it anyway.")
+    return total
+
+
+def _key(p: torch.Tensor) -> tuple:
+    """The process groups to sum ``p``'s gradient's partial norm over."""
+    hit = SHARDED.get(p)
+    if hit is not None:
+        g, e = hit
+        key = (g.pg,) + (_shard_groups(e.tp.mesh, e.tp.placements) if e.tp else ())
+    elif isinstance(p, DTensor):
+        key = _shard_groups(p.device_mesh, p.placements)
+    else:
+        key = ()
+    return tuple(pg for pg in key if dist.get_world_size(pg) > 1)
+
+
+def _global_norm(items: list, norm_type: float, foreach, canonical: bool = False) -> torch.Tensor:
+    """The norm of every gradient in ``items`` (``(key, grad or None)``): each
+    class of equal keys is reduced over its groups, in the order the classes
+    first appear (every rank lists the same parameters), or, ``canonical``,
+    in an order of the groups' ranks (the same on every rank whatever the
+    tensors it was given)."""
+    inf = norm_type == float("inf")
+    classes: dict[tuple, list[torch.Tensor]] = {}
+    device = None
+    for key, grad in items:
+        grads = classes.setdefault(key, [])  # every rank gets the same classes
+        if grad is not None:
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            grads.append(grad)
+            device = device or grad.device
+    device = device or torch.device("cpu")
+    order = list(classes)
+    if canonical:
+        order.sort(key=lambda k: [tuple(dist.get_process_group_ranks(pg)) for pg in k])
+    total = None
+    for key in order:
+        grads = classes[key]
+        part = _local_norm(grads, norm_type, device, foreach)
+        if inf:
+            part = _all_reduce_max(part, key)
+        else:
+            part = part.pow(norm_type)  # a NaN or inf survives the SUM on every rank
+            for pg in key:
+                _collectives.all_reduce(part, dist.ReduceOp.SUM, pg)
+        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
+    if total is None:
+        total = torch.zeros((), device=device)
+    elif not inf:
+        total = total.pow(1.0 / norm_type)
+    return total
+
+
 def _local_norm(tensors: list[torch.Tensor], norm_type: float, device, foreach) -> torch.Tensor:
     # a rank may hold 0 elements of a parameter; the inf-norm of nothing is undefined
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.zeros((), device=device, dtype=torch.float32)
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+    get = torch.nn.utils.get_total_norm
+    get = getattr(get, "__wrapped__", get)  # torch's own (ours routes sharded gradients here)
+    norm = get(tensors, norm_type, foreach=foreach)
     return norm.to(device, torch.float32)
 
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 
 import fsdp_compose
 from fsdp_compose import comm_stats, fully_shard, get_state_dict, reset_comm_stats, set_state_dict
-from fsdp_compose._checkpoint import flat_boxes
 
 from ._dist import run_distributed
 from ._support import Block
@@ -261,20 +261,18 @@ def _save_run(rank, world, root):
     model, opt = ours_fresh(0)
     out["losses_before"] = train(model, opt, range(SAVE_AT), rank, world)
 
-    # model.state_dict() / get_state_dict: no collective of any kind
+    # model.state_dict(): FSDP2's form, one all-gather per sharded parameter
     with count_collectives() as sharded_counts:
         sd = model.state_dict()
-        msd, osd = get_state_dict(model, opt)
     out["sharded_counts"] = sharded_counts
+    out["sd_dtensors"] = sum(isinstance(v, DTensor) for v in sd.values())
+    msd, osd = get_state_dict(model, opt)
+    out["form_vs_fsdp2"] = _form_vs_fsdp2(msd, osd, rank, world)
     with count_collectives() as full_counts:  # the counters do see collectives
         full_msd, full_osd = get_state_dict(model, opt, full_state_dict=True)
         dist.barrier()  # (ours go through our own handle on torch's function)
     out["full_counts"] = full_counts
     out["sd_types"] = sorted({type(v).__name__ for v in sd.values()})
-    params = dict(model.named_parameters(remove_duplicate=False))
-    out["views"] = all(  # boxes are views of the shards: DCP loads in place
-        s.tensor.untyped_storage().data_ptr() == params[k].untyped_storage().data_ptr()
-        for k, v in sd.items() if k in params for s in v.local_shards())
     out["sd_keys"] = list(sd) == list(ref.state_dict())
     out["full_vs_ref"] = _check_full(full_msd, full_osd, ref, ref_opt)
     off_msd, off_osd = get_state_dict(model, opt, full_state_dict=True, cpu_offload=True)
@@ -319,6 +317,32 @@ def _save_run(rank, world, root):
     out.update(_tensor_layout_save(rank, world, root, ref, ref_opt))
     out.update(_switch_layouts(rank, world, root))
     return out
+
+
+def _form(v) -> tuple:
+    if isinstance(v, DTensor):
+        return ("DTensor", tuple(v.shape), tuple(v.placements), tuple(v.device_mesh.shape),
+                tuple(v.to_local().shape), v.dtype)
+    return (type(v).__name__, tuple(v.shape) if isinstance(v, torch.Tensor) else None)
+
+
+def _form_vs_fsdp2(msd, osd, rank, world) -> list[str]:
+    """Each value's type, global shape, placements, mesh and local shape against
+    torch FSDP2's state dicts of the same model (trained the same steps)."""
+    torch.manual_seed(0)
+    f2 = shard_fsdp2(Net())
+    f2_opt = make_optim(f2)
+    train(f2, f2_opt, range(SAVE_AT), rank, world)
+    want_msd, want_osd = torch_dsd().get_state_dict(f2, f2_opt)
+    bad = [f"model keys {list(msd)} != {list(want_msd)}"] if list(msd) != list(want_msd) else []
+    bad += [f"model {k}: {_form(msd.get(k))} != {_form(v)}" for k, v in want_msd.items()
+            if _form(msd.get(k)) != _form(v)]
+    for fqn, st in want_osd["state"].items():
+        for k, v in st.items():
+            got = osd["state"].get(fqn, {}).get(k)
+            if _form(got) != _form(v):
+                bad.append(f"optim {fqn} {k}: {_form(got)} != {_form(v)}")
+    return bad
 
 
 def _tensor_layout_save(rank, world, root, ref, ref_opt) -> dict:
@@ -505,28 +529,15 @@ def _close(a, b) -> bool:
 
 
 # -------------------------------------------------------------------- tests
-def test_flat_boxes_tile_the_range():
-    g = torch.Generator().manual_seed(0)
-    for shape in [(), (7,), (3, 4), (2, 3, 5), (4, 1, 3, 2), (5, 0, 2)]:
-        n = math.prod(shape)
-        full = torch.arange(n).reshape(shape)
-        for _ in range(30):
-            a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
-            boxes = flat_boxes(shape, a, b)
-            got = [full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
-                   for off, size in boxes]
-            got = torch.cat(got) if got else torch.zeros(0, dtype=full.dtype)
-            assert torch.equal(got, full.reshape(-1)[a:b]), (shape, a, b, boxes)
-            assert len(boxes) <= max(1, 2 * len(shape) - 1)
-
-
-def test_state_dict_issues_no_collective(runs):
+def test_state_dicts_take_fsdp2s_form(runs):
     for r in runs[2]:
-        assert r["sharded_counts"] == {"ours": 0, "dispatcher": 0, "python": 0}
+        # one all-gather per sharded parameter (the parameters; not the buffer)
+        assert r["sd_dtensors"] > 0
+        assert r["sharded_counts"]["ours"] == r["sd_dtensors"], r["sharded_counts"]
         assert all(v > 0 for v in r["full_counts"].values()), r["full_counts"]
-        assert r["sd_types"] == ["ShardedTensor", "Tensor"]  # parameters; the buffer
+        assert r["sd_types"] == ["DTensor", "Tensor"]  # parameters; the buffer
         assert r["sd_keys"]
-        assert r["views"]
+        assert r["form_vs_fsdp2"] == []
 
 
 def test_full_state_dict_equals_reference(runs):
@@ -547,7 +558,7 @@ def test_save_at_1_rank_full_shapes(runs):
     ref = dict(Net().named_parameters())
     assert r["ws1_shapes"] and all(p == s == tuple(ref[n].shape) for n, p, s in r["ws1_shapes"])
     assert r["ws1_full_vs_ref"] == []
-    assert r["ws1_exp_avg_types"] == {"ShardedTensor"}  # per-element state, full-shape too
+    assert r["ws1_exp_avg_types"] == {"DTensor"}  # per-element state, as FSDP2's
     assert r["ws1_dcp_round_trip"] == []
     assert r["ws1_full_round_trip"] == []
     # saved at 1 rank, resumed at 4

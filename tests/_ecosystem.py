@@ -1,0 +1,154 @@
+"""accelerate's FSDP2 plugin driving fsdp_compose and torch's FSDP2 on the same
+script (tests/test_ecosystem.py; ``python -m tests._ecosystem`` prints the
+README's table).
+
+accelerate 1.15 on CPU keeps ``DistributedType.MULTI_CPU`` (and wraps in DDP)
+even with an FSDP plugin; both implementations are put on its FSDP2 path the
+same way (the distributed type set to FSDP after the Accelerator is made) and
+each run checks that it took it (``accelerator.is_fsdp2`` and the prepared
+model an ``FSDPModule``). ``fsdp_compose.use_as_fsdp2()`` is the only other
+difference between the two.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    # intermediate 130: rows that do not split evenly over 2 or 4 ranks
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=130, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 128, (2, 16), generator=g)
+
+
+def _accelerator(impl: str):
+    import fsdp_compose
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    if impl == "ours":
+        fsdp_compose.use_as_fsdp2()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")
+    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
+    # (see the module doc) the same for both implementations
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    return acc
+
+
+def run(rank: int, world: int, root: str, impl: str, load_from: str | None) -> dict:
+    """Train STEPS_BEFORE steps, ``save_state``, train on (the uninterrupted
+    run); a second model ``load_state``s (our own checkpoint, or
+    ``load_from``'s) and trains the same steps."""
+    from torch.distributed.fsdp import FSDPModule
+    acc = _accelerator(impl)
+    out = {"is_fsdp2": acc.is_fsdp2}
+
+    def make():
+        m = tiny_llama()
+        return acc.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-2))
+
+    def train(m, o, steps):
+        losses = []
+        for s in steps:
+            ids = _batch(s, rank)
+            loss = m(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def full(m):  # accelerator.get_state_dict: full tensors on rank 0 (save_pretrained's)
+        sd = acc.get_state_dict(m)
+        return {k: v.clone() for k, v in sd.items()}
+
+    m, o = make()
+    out["fsdp_module"] = isinstance(m, FSDPModule)
+    out["class_from"] = type(m).__mro__[1].__module__
+    out["before"] = train(m, o, range(STEPS_BEFORE))
+    acc.save_state(os.path.join(root, impl))
+    out["full_at_save"] = full(m)
+    out["uninterrupted"] = train(m, o, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    out["full_after"] = full(m)
+
+    m2, o2 = make()
+    acc._models, acc._optimizers = acc._models[-1:], acc._optimizers[-1:]  # load into m2 only
+    acc.load_state(os.path.join(root, load_from or impl))
+    out["full_loaded"] = full(m2)
+    out["resumed"] = train(m2, o2, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    out["full_resumed"] = full(m2)
+    out["state_types"] = sorted({type(v).__name__ for v in m2.state_dict().values()})
+    out["optim_types"] = sorted({type(v).__name__ for st in o2.state_dict()["state"].values()
+                                 for v in st.values()})
+    return out
+
+
+def launches(world: int = 2) -> dict:
+    """Every run of the table, in one temporary folder: FSDP2, ours (resuming
+    from its own checkpoint), ours from FSDP2's, FSDP2 from ours."""
+    from ._dist import run_distributed
+    with tempfile.TemporaryDirectory(prefix="fsdp_eco_") as root:
+        out = {"fsdp2": run_distributed(run, world, root, "fsdp2", None, timeout=300)}
+        out["ours"] = run_distributed(run, world, root, "ours", None, timeout=300)
+        out["ours_from_fsdp2"] = run_distributed(run, world, root, "ours", "fsdp2", timeout=300)
+        out["fsdp2_from_ours"] = run_distributed(run, world, root, "fsdp2", "ours", timeout=300)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def table(out: dict) -> str:
+    """Stack × operation × result, ours and FSDP2 (from one call of ``launches``)."""
+    ours, f2 = out["ours"][0], out["fsdp2"][0]
+
+    def mark(ok: bool) -> str:
+        return "bit-exact" if ok else "DIFFERS"
+    rows = [
+        ("train 3 steps (losses)", "= FSDP2's" if ours["before"] == f2["before"] else "DIFFERS",
+         "reference"),
+        ("`save_state` + `load_state`, then 2 steps",
+         mark(_same(ours["full_loaded"], ours["full_at_save"])
+              and ours["resumed"] == ours["uninterrupted"]
+              and _same(ours["full_resumed"], ours["full_after"])),
+         mark(_same(f2["full_loaded"], f2["full_at_save"]) and f2["resumed"] == f2["uninterrupted"]
+              and _same(f2["full_resumed"], f2["full_after"]))),
+        ("`get_state_dict` (full, rank 0)", "= FSDP2's" if _same(ours["full_at_save"],
+                                                               f2["full_at_save"]) else "DIFFERS",
+         "reference"),
+        ("`load_state` of the other's checkpoint, then 2 steps",
+         mark(_same(out["ours_from_fsdp2"][0]["full_loaded"], f2["full_at_save"])
+              and out["ours_from_fsdp2"][0]["resumed"] == f2["uninterrupted"]),
+         mark(_same(out["fsdp2_from_ours"][0]["full_loaded"], ours["full_at_save"])
+              and out["fsdp2_from_ours"][0]["resumed"] == ours["uninterrupted"])),
+        ("`model.state_dict()` / `optimizer.state_dict()` values",
+         "/".join(ours["state_types"]) + "; " + "/".join(ours["optim_types"]),
+         "/".join(f2["state_types"]) + "; " + "/".join(f2["optim_types"])),
+    ]
+    lines = ["| accelerate 1.15, FSDP2 plugin, 2 gloo ranks | fsdp_compose | torch FSDP2 |",
+             "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(table(launches()))

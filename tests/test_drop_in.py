@@ -1,0 +1,217 @@
+"""What a stack written for FSDP2 touches, on our units (issue: the
+ecosystem's contract): torch's policy objects, ``isinstance`` with torch's
+``FSDPModule`` and its methods, ``set_gradient_divide_factor``, torch's
+``get_total_norm`` + ``clip_grads_with_norm_`` (torchtitan's clipping), a
+state dict taken on the meta device and loaded with ``assign=True``
+(accelerate's ``cpu_ram_efficient_loading``), HSDP state dicts against
+FSDP2's, and the refusal of FSDP2's all-gather extension."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fsdp_compose
+from fsdp_compose import fully_shard
+
+from ._dist import run_distributed
+from .test_checkpoint import V, Net, batch, shard_fsdp2, shard_ours, train
+
+TIMEOUT = 120
+
+
+def _full(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _grads_full(model) -> dict:
+    """Every parameter's gradient, whole (our row pieces gathered over the ranks)."""
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            out[n] = g.full_tensor()
+            continue
+        hit = fsdp_compose._registry.SHARDED.get(p)
+        if hit is not None:  # (every rank gathers: a rank holding no rows may have no grad)
+            out[n] = fsdp_compose._checkpoint.gather_entry(
+                hit[0], hit[1], g if g is not None else torch.zeros_like(p))
+        elif g is not None:
+            out[n] = g
+    return out
+
+
+def _run(rank, world):
+    out = {}
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    # torch's policy objects, and torch's FSDPModule
+    torch.manual_seed(0)
+    m = Net()
+    for layer in m.layers:
+        fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.float32,
+                                                          output_dtype=torch.float32),
+                    offload_policy=OffloadPolicy())
+    fully_shard([m.embed, m.head])
+    fully_shard(m)
+    out["isinstance"] = isinstance(m, TorchFSDPModule) and isinstance(m.layers[0], TorchFSDPModule)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out["mp_losses"] = train(m, opt, range(2), rank, world)
+    torch.manual_seed(0)
+    m2 = Net()
+    for layer in m2.layers:
+        fully_shard(layer, mp_policy=fsdp_compose.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+    fully_shard([m2.embed, m2.head])
+    fully_shard(m2)
+    out["mp_losses_ours"] = train(m2, torch.optim.AdamW(m2.parameters(), lr=1e-2), range(2),
+                                  rank, world)
+
+    # set_gradient_divide_factor(1.0): summed gradients, as FSDP2's
+    grads = {}
+    for impl in ("ours", "fsdp2"):
+        torch.manual_seed(0)
+        model = shard_ours(Net()) if impl == "ours" else shard_fsdp2(Net())
+        for mod in model.modules():
+            if isinstance(mod, TorchFSDPModule):
+                mod.set_gradient_divide_factor(1.0)
+                mod.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
+        tok, tgt = batch(0, rank, world)
+        F.cross_entropy(model(tok).reshape(-1, V), tgt.reshape(-1)).backward()
+        grads[impl] = _grads_full(model)
+    torch.manual_seed(0)
+    ref = Net()
+    tok, tgt = batch(0, 0, 1)
+    F.cross_entropy(ref(tok).reshape(-1, V), tgt.reshape(-1)).backward()
+    out["sum_vs_fsdp2"] = [n for n in grads["fsdp2"]
+                           if not torch.allclose(grads["ours"][n], grads["fsdp2"][n],
+                                                 rtol=1e-5, atol=1e-6)]
+    out["sum_vs_ref"] = [n for n, p in ref.named_parameters() if p.grad is not None
+                         and not torch.allclose(grads["ours"][n], world * p.grad,
+                                                rtol=1e-5, atol=1e-6)]
+
+    # torchtitan's clipping: get_total_norm on the gradients, clip_grads_with_norm_
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    tok, tgt = batch(0, rank, world)
+    F.cross_entropy(model(tok).reshape(-1, V), tgt.reshape(-1)).backward()
+    gs = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(gs, 2.0)
+    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 0.5, total)
+    torch.manual_seed(0)
+    ref = Net()
+    tok, tgt = batch(0, 0, 1)
+    F.cross_entropy(ref(tok).reshape(-1, V), tgt.reshape(-1)).backward()
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    out["norm"] = (float(total), float(ref_total))
+    clipped = _grads_full(model)
+    out["clipped_vs_ref"] = [n for n, p in ref.named_parameters() if p.grad is not None
+                             and not torch.allclose(clipped[n], p.grad, rtol=1e-4, atol=1e-6)]
+
+    # accelerate's cpu_ram_efficient_loading: a state dict on meta, loaded with assign=True
+    torch.manual_seed(0)
+    full = Net().state_dict()
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = Net()
+    shard_ours(meta)
+    msd = meta.state_dict()
+    out["meta_sd"] = sorted({(type(v).__name__, v.device.type) for v in msd.values()})
+    from torch.distributed.tensor import distribute_tensor
+    sharded = {}
+    for k, v in msd.items():
+        if isinstance(v, DTensor):
+            sharded[k] = distribute_tensor(full[k], v.device_mesh, v.placements)
+        else:
+            sharded[k] = full[k]
+    meta.load_state_dict(sharded, assign=True)
+    got = _full(meta)
+    out["meta_assign"] = [k for k, v in full.items() if not torch.equal(got[k], v)]
+    out["meta_trains"] = train(meta, torch.optim.AdamW(meta.parameters(), lr=1e-2), range(2),
+                               rank, world)
+    torch.manual_seed(0)
+    eager = shard_ours(Net())
+    out["eager_trains"] = train(eager, torch.optim.AdamW(eager.parameters(), lr=1e-2), range(2),
+                                rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {w: run_distributed(_run, w, timeout=TIMEOUT) for w in (2, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_policies_and_fsdp_module(runs, world):
+    for r in runs[world]:
+        assert r["isinstance"]
+        assert r["mp_losses"] == r["mp_losses_ours"]
+
+
+def test_every_public_method_of_torchs_fsdp_module_is_ours():
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    public = [n for n, v in vars(TorchFSDPModule).items()
+              if not n.startswith("_") and callable(v)]
+    assert public  # (the check below can fail)
+    missing = [n for n in public if n not in vars(fsdp_compose.FSDPModule)]
+    assert missing == []
+    for n in public:  # FSDP2's signature: the same parameter names
+        ours = inspect.signature(getattr(fsdp_compose.FSDPModule, n)).parameters
+        theirs = inspect.signature(getattr(TorchFSDPModule, n)).parameters
+        assert list(ours) == list(theirs), n
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_divide_factor_sums_as_fsdp2(runs, world):
+    for r in runs[world]:
+        assert r["sum_vs_fsdp2"] == [] and r["sum_vs_ref"] == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_get_total_norm_is_global(runs, world):
+    for r in runs[world]:
+        total, ref = r["norm"]
+        assert total == pytest.approx(ref, rel=1e-5)
+        assert r["clipped_vs_ref"] == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_meta_state_dict_loads_with_assign(runs, world):
+    for r in runs[world]:
+        assert r["meta_sd"] == [("DTensor", "meta"), ("Tensor", "meta")]
+        assert r["meta_assign"] == []
+        assert r["meta_trains"] == r["eager_trains"]
+
+
+class _WithExtension(torch.Tensor):
+    """A tensor subclass that declares FSDP2's all-gather extension."""
+
+    def fsdp_pre_all_gather(self, mesh):  # pragma: no cover - never called
+        raise AssertionError
+
+    def fsdp_post_all_gather(self, *args):  # pragma: no cover - never called
+        raise AssertionError
+
+
+def _refuse(rank, world):
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(lin.weight.detach().as_subclass(_WithExtension))
+    try:
+        fully_shard(lin)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_all_gather_extension_is_refused_naming_the_parameter():
+    for msg in run_distributed(_refuse, 2, timeout=TIMEOUT):
+        assert msg and "'weight'" in msg and "fsdp_pre_all_gather" in msg
