@@ -6,6 +6,8 @@ For each implementation, fresh ``torchrun`` processes build the benchmark
 model (``benchmarks/models.py``), shard it the same way (each block, then the
 root), take one AdamW step (so optimizer state exists), then time:
 
+- take: ``get_state_dict`` of model and optimizer alone (kept until the
+  phase ends: what holding a state dict costs);
 - save: ``get_state_dict`` + ``dcp.save`` of model and optimizer;
 - load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same;
 - safe load (fsdp_compose only): ``fsdp_compose.load_checkpoint`` of the same,
@@ -49,13 +51,13 @@ def _reset_peak() -> None:
 def _local_bytes(tree) -> int:
     """Bytes of this rank's tensors in a (nested) state dict: what a staging copy holds."""
     import torch
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
     if isinstance(tree, dict):
         return sum(_local_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return sum(_local_bytes(v) for v in tree)
-    if isinstance(tree, ShardedTensor):
-        return sum(s.tensor.nbytes for s in tree.local_shards())
+    if isinstance(tree, DTensor):
+        return tree.to_local().nbytes
     return tree.nbytes if isinstance(tree, torch.Tensor) else 0
 
 
@@ -113,7 +115,14 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> Non
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
         set_(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
-    res = {"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024}
+    held = []
+
+    def take():  # the state dicts alone (ours: the conversion to FSDP2's form), kept alive
+        held.append(get(model, opt))
+
+    res = {"take": phase(take)}
+    held.clear()
+    res.update({"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024})
     if impl == "fsdp_compose":
         res["safe_load"] = phase(lambda: fsdp_compose.load_checkpoint(model, opt, path))
         res["staged_mib"] = _local_bytes(get(model, opt)) / 2**20
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
             size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             shutil.rmtree(path, ignore_errors=True)
             r = {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
-                 for k in ("save", "load")}
+                 for k in ("take", "save", "load")}
             r["size_mib"] = size / 2**20
             if "safe_load" in ranks[0]:
                 safe = (max(x["safe_load"][0] for x in ranks),
@@ -171,10 +180,11 @@ def main(argv=None) -> int:
                 else r[k] for k in r}
     print(f"shape={args.shape} ranks={args.ranks} (max over ranks; peak = rise of peak RSS "
           "during the phase)")
-    print(f"{'impl':<14}{'save s':>8}{'save peak MiB':>15}{'load s':>8}{'load peak MiB':>15}"
-          f"{'ckpt MiB':>10}")
+    print(f"{'impl':<14}{'take s':>8}{'take peak MiB':>15}{'save s':>8}{'save peak MiB':>15}"
+          f"{'load s':>8}{'load peak MiB':>15}{'ckpt MiB':>10}")
     for impl, r in rows.items():
-        print(f"{impl:<14}{r['save'][0]:>8.2f}{r['save'][1]:>15.0f}{r['load'][0]:>8.2f}"
+        print(f"{impl:<14}{r['take'][0]:>8.2f}{r['take'][1]:>15.0f}"
+              f"{r['save'][0]:>8.2f}{r['save'][1]:>15.0f}{r['load'][0]:>8.2f}"
               f"{r['load'][1]:>15.0f}{r['size_mib']:>10.0f}")
     return 0
 

@@ -94,6 +94,38 @@ def gather_entry(g, e, piece: torch.Tensor) -> torch.Tensor:
     return full.view(e.shape).to(piece.device)
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def _empty_as_none(r: tuple[int, int]) -> tuple[int, int] | None:
+    return r if r[1] > r[0] else None
+
+
+def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list) -> torch.Tensor:
+    """This rank's rows ``dst_rows[me]`` of entry ``e``, from every rank's rows
+    ``src_rows[r]`` (``src`` is this rank's): one all-to-all over the shard
+    group. Both lists partition the rows in rank order (ours: the flat buffer
+    is the ranks' chunks end to end; ``Shard(0)``: torch.chunk's split), so each
+    rank's outgoing and incoming segments are contiguous and in rank order: no
+    copy on either side. Where both are the same partition (a function of the
+    layout, the same answer on every rank), no collective."""
+    me, inner = g.rank, math.prod(e.shape[1:])
+    lo, hi = dst_rows[me]
+    if all(_empty_as_none(a) == _empty_as_none(b) for a, b in zip(src_rows, dst_rows)):
+        return src.reshape((hi - lo,) + tuple(e.shape[1:])).clone()
+    out = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=src.dtype, device=src.device)
+    _collectives.all_to_all(out.view(-1), src.detach().reshape(-1).contiguous(),
+                            [_overlap(src_rows[r], dst_rows[me]) * inner for r in range(g.world)],
+                            [_overlap(src_rows[me], dst_rows[r]) * inner for r in range(g.world)],
+                            g.pg)
+    return out
+
+
+def _chunks(g, e) -> list[tuple[int, int]]:
+    return [chunk_rows(e.shape[0], g.world, r) for r in range(g.world)]
+
+
 def _placements(g) -> tuple:
     return (Replicate(),) * (g.mesh.ndim - 1) + (Shard(0),)
 
@@ -132,7 +164,7 @@ def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
     if meta:
         local = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=piece.dtype, device="meta")
     else:
-        local = gather_entry(g, e, piece)[lo:hi].clone()
+        local = redistribute(g, e, piece, rank_rows(g, e), _chunks(g, e))
     return DTensor.from_local(local, g.mesh, _placements(g), run_check=False,
                               shape=e.shape, stride=_contiguous_stride(e.shape))
 
@@ -196,11 +228,11 @@ def load_into(shape, local_range, value: Any, dst: torch.Tensor, *,
     return None
 
 
-def _load_entry(e, value: Any, dst: torch.Tensor) -> str | None:
+def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
     """Copy this rank's piece of ``value`` into ``dst`` (``e``'s piece,
-    flattened). ``value``: a DTensor of any placements (``full_tensor()``, a
-    collective over its mesh, unless it is ``e``'s own TP DTensor), or a full
-    tensor of the global shape."""
+    flattened). ``value``: a DTensor in the form ``to_dtensor`` gives (one
+    all-to-all), of other placements (``full_tensor()``, a collective over its
+    mesh), ``e``'s own TP DTensor, or a full tensor of the global shape."""
     gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
     if isinstance(value, DTensor):
         if tuple(value.shape) != gshape:
@@ -209,6 +241,11 @@ def _load_entry(e, value: Any, dst: torch.Tensor) -> str | None:
         if (e.tp is not None and value.device_mesh == e.tp.mesh
                 and tuple(value.placements) == tuple(e.tp.placements)):
             return load_into(e.shape, e.local_range, value.to_local(), dst)
+        if (e.tp is None and e.shape and value.device_mesh == g.mesh
+                and tuple(value.placements) == _placements(g)):
+            rows = redistribute(g, e, value.to_local(), _chunks(g, e), rank_rows(g, e))
+            dst.copy_(rows.reshape(-1))
+            return None
         value = value.full_tensor()
     tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
     return load_into(e.shape, e.local_range, value, dst, tp=tp)
@@ -267,7 +304,7 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
                 continue
             unit.modules[0].reshard()  # the shard is what we load; views re-gathered on use
         with torch.no_grad():
-            err = _load_entry(e, sd[key], e.sharded.detach().view(-1))
+            err = _load_entry(g, e, sd[key], e.sharded.detach().view(-1))
         if err:
             error_msgs.append(_msg(key, err))
         sd[key] = e.sharded  # the default load then copies the Parameter onto itself: no-op
@@ -450,22 +487,30 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
                 m = merged.setdefault(pid, {})
                 for k, v in info.items():
                     m.setdefault(k, v)
-    state = dict(osd["state"])
+    # the same keys in the same order on every rank (parameter order, then each
+    # parameter's keys in merged order): whoever walks it next (DCP, torch's
+    # full state dict) issues one collective per tensor
+    state = {}
     for pid, p in keyed:
+        old = osd["state"].get(pid)
         if pid not in merged:
+            if old is not None:
+                state[pid] = old
             continue
         g, e = SHARDED.get(p)
-        old = osd["state"].get(pid, {})
-        new = dict(old)
+        old = old or {}
+        new = {}
         for k, (kind, v) in merged[pid].items():
             if kind == "piece":
                 piece = old.get(k)
                 if piece is None:  # none here (a whole-tensor optimizer, 0 rows held)
                     piece = torch.zeros(p.shape, dtype=v, device=p.device)
                 new[k] = to_dtensor(g, e, piece.detach())
-            elif k not in new:
-                new[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            else:
+                new[k] = old[k] if k in old else (v.clone() if isinstance(v, torch.Tensor) else v)
+        new.update((k, v) for k, v in old.items() if k not in new)  # (DTensors already)
         state[pid] = new
+    state.update((k, v) for k, v in osd["state"].items() if k not in state)
     return {**osd, "state": state}
 
 
@@ -768,7 +813,7 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
         return v
     dtype = v.dtype
     dst = torch.empty(p.shape, dtype=dtype, device=p.device)
-    err = _load_entry(e, v, dst.view(-1))
+    err = _load_entry(g, e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))
     return dst

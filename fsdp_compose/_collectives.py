@@ -83,7 +83,7 @@ _before_reset = 0  # collectives counted before the last reset_comm_stats()
 
 
 def _calls(s: CommStats) -> int:
-    return s.all_gather_calls + s.reduce_scatter_calls + s.all_reduce_calls
+    return s.all_gather_calls + s.reduce_scatter_calls + s.all_reduce_calls + s.all_to_all_calls
 
 
 def issued() -> int:
@@ -248,6 +248,28 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None) -> No
     moved = tensor.to(device)
     dist.all_reduce(moved, op=op, group=group)
     tensor.copy_(moved)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+               input_splits: list[int], group) -> None:
+    """``output`` ← from each rank, in rank order, its segment of ``input`` for
+    this rank (uneven splits, both tensors 1-D and contiguous);
+    ``async_op=False``. The state-dict conversions ([Note: state dicts in
+    FSDP2's form] in _checkpoint.py). Tensors on a device the group has no
+    backend for go through the group's device and back."""
+    _stats.all_to_all_calls += 1
+    _stats.all_to_all_bytes += _nbytes(input)
+    device = _group_device(group, input.device)
+    src = input if input.device == device else input.to(device)
+    dst = output if output.device == device else torch.empty_like(output, device=device)
+    work = dist.all_to_all_single(dst, src, output_splits, input_splits, group=group,
+                                  async_op=True)
+    if device.type == "cpu":  # blocks the CPU: in slices (a peer that stopped is noticed)
+        _divergence.wait(work)
+    else:
+        work.wait()
+    if dst is not output:
+        output.copy_(dst)
 
 
 def min_across(values: list[int], groups: list) -> list[int]:

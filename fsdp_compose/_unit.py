@@ -343,6 +343,10 @@ class Unit:
         self.ctx.grads_computed(self, group)
 
     def post_forward(self, module: nn.Module, args, output):
+        with label("post_forward", self.fqn):  # (hook time: benchmarks/gpu_check.py)
+            return self._post_forward(output)
+
+    def _post_forward(self, output):
         if self._cast_outputs is not None:  # (recomputation too: same saved tensors)
             output = self._cast(self._cast_outputs, output)
         if _compat.in_backward():  # see [Note: recomputation]
@@ -410,6 +414,10 @@ class Unit:
 
     @_compat.outside_functorch
     def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
+        with label("post_backward", self.fqn):
+            self._post_backward(group)
+
+    def _post_backward(self, group: FlatGroup) -> None:
         ctx = self.root_context()
         ctx.on_backward_hook(grad_arrived=True)
         self._ready.add(group)

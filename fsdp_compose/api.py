@@ -60,6 +60,8 @@ class CommStats:
     reduce_scatter_bytes: int = 0
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
+    all_to_all_calls: int = 0   # state dicts: our rows <-> FSDP2's Shard(0) chunks
+    all_to_all_bytes: int = 0   # (bytes this rank sent)
 
 
 @dataclass(frozen=True)

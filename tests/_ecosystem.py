@@ -1,5 +1,5 @@
-"""accelerate's FSDP2 plugin driving fsdp_compose and torch's FSDP2 on the same
-script (tests/test_ecosystem.py; ``python -m tests._ecosystem`` prints the
+"""accelerate's FSDP2 plugin and the transformers Trainer driving fsdp_compose
+and torch's FSDP2 on the same script (tests/test_ecosystem.py; ``python -m tests._ecosystem`` prints the
 README's table).
 
 accelerate 1.15 on CPU keeps ``DistributedType.MULTI_CPU`` (and wraps in DDP)
@@ -20,9 +20,9 @@ import torch
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 
-def tiny_llama():
+def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     # intermediate 130: rows that do not split evenly over 2 or 4 ranks
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=130, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -100,6 +100,54 @@ def run(rank: int, world: int, root: str, impl: str, load_from: str | None) -> d
     return out
 
 
+def trainer_run(rank: int, world: int, root: str, impl: str, sd_type: str) -> dict:
+    """The transformers Trainer (fsdp_config version 2, ``sd_type`` checkpoints):
+    4 steps saving at step 2, then a new Trainer (another init) resumes from
+    checkpoint-2 and runs steps 3-4."""
+    import transformers
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    from transformers import Trainer, TrainingArguments
+
+    import fsdp_compose
+    if impl == "ours":
+        fsdp_compose.use_as_fsdp2()
+    real = transformers.trainer.Accelerator
+
+    def accelerator(*a, **k):  # (see the module doc) the same for both implementations
+        acc = real(*a, **k)
+        acc.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        acc.state.fsdp_plugin = k["fsdp_plugin"]
+        return acc
+    transformers.trainer.Accelerator = accelerator
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for _ in range(32):
+        ids = torch.randint(0, 128, (16,), generator=g)
+        data.append({"input_ids": ids, "labels": ids})
+    out_dir = os.path.join(root, f"trainer_{impl}_{sd_type}")
+    args = dict(output_dir=out_dir, per_device_train_batch_size=2, max_steps=4, save_steps=2,
+                save_strategy="steps", learning_rate=1e-2, use_cpu=True, fsdp=True,
+                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                             "state_dict_type": sd_type},
+                report_to=[], logging_steps=1, seed=0, data_seed=0,
+                lr_scheduler_type="constant", disable_tqdm=True)
+
+    def losses(t):
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+    t = Trainer(model=tiny_llama(0), args=TrainingArguments(**args), train_dataset=data)
+    t.train()
+    out = {"fsdp2_path": t.is_fsdp_enabled and t.accelerator.is_fsdp2,
+           "class_from": type(t.model_wrapped).__mro__[1].__module__,
+           "losses": losses(t), "full": t.accelerator.get_state_dict(t.model_wrapped)}
+    t2 = Trainer(model=tiny_llama(1), args=TrainingArguments(**args), train_dataset=data)
+    t2.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-2"))
+    out["resumed"] = losses(t2)[-2:]
+    out["full_resumed"] = t2.accelerator.get_state_dict(t2.model_wrapped)
+    return out
+
+
 def launches(world: int = 2) -> dict:
     """Every run of the table, in one temporary folder: FSDP2, ours (resuming
     from its own checkpoint), ours from FSDP2's, FSDP2 from ours."""
@@ -109,6 +157,10 @@ def launches(world: int = 2) -> dict:
         out["ours"] = run_distributed(run, world, root, "ours", None, timeout=300)
         out["ours_from_fsdp2"] = run_distributed(run, world, root, "ours", "fsdp2", timeout=300)
         out["fsdp2_from_ours"] = run_distributed(run, world, root, "fsdp2", "ours", timeout=300)
+        for sd_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+            for impl in ("fsdp2", "ours"):
+                out[f"trainer_{impl}_{sd_type}"] = run_distributed(
+                    trainer_run, world, root, impl, sd_type, timeout=300)
     return out
 
 
@@ -143,7 +195,18 @@ def table(out: dict) -> str:
          "/".join(ours["state_types"]) + "; " + "/".join(ours["optim_types"]),
          "/".join(f2["state_types"]) + "; " + "/".join(f2["optim_types"])),
     ]
-    lines = ["| accelerate 1.15, FSDP2 plugin, 2 gloo ranks | fsdp_compose | torch FSDP2 |",
+    for sd_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        t_ours, t_f2 = out[f"trainer_ours_{sd_type}"][0], out[f"trainer_fsdp2_{sd_type}"][0]
+        rows.append((f"Trainer (fsdp_config version 2, {sd_type}): 4 steps",
+                     "losses = FSDP2's" if t_ours["losses"] == t_f2["losses"] else "DIFFERS",
+                     "reference"))
+        rows.append((f"Trainer `resume_from_checkpoint` ({sd_type}), steps 3-4",
+                     mark(t_ours["resumed"] == t_ours["losses"][-2:]
+                          and _same(t_ours["full_resumed"], t_ours["full"])),
+                     mark(t_f2["resumed"] == t_f2["losses"][-2:]
+                          and _same(t_f2["full_resumed"], t_f2["full"]))))
+    lines = ["| accelerate 1.15 / transformers 5.24, FSDP2 path, 2 gloo ranks | fsdp_compose "
+             "| torch FSDP2 |",
              "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)

@@ -12,9 +12,10 @@ scenarios of one world size in one multi-process launch.
   recorded schedule (``record_schedule``) as text, cut into steps or phases;
   the backward of a step whose forward is the one several schedule tests
   share (:data:`NET2_FORWARD`).
-* :class:`StreamDouble` / :func:`recording`: a stream runtime for the stream
-  manager that records instead of ordering (CUDA's side streams checked on
-  CPU), and the record of every collective issued.
+* :class:`StreamDouble` (from ``benchmarks._fake_cuda``) / :func:`recording`:
+  a stream runtime for the stream manager that records instead of ordering
+  (CUDA's side streams checked on CPU), and the record of every collective
+  issued.
 * :class:`Scenarios`: named scenarios, one launch per world size (cached). A
   scenario that raises on a rank stops that rank's launch at once (no
   barrier, no later collective: a peer waiting in a collective fails as soon
@@ -28,7 +29,6 @@ testing the harness (test_parity's mock mode) can use this module without it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import pickle
 import shutil
@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
+
+from benchmarks._fake_cuda import StreamDouble
 
 from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
@@ -255,79 +256,9 @@ def schedule_text(events) -> str:
 
 
 # ==========================================================================
-# A recording stream runtime (CUDA's side streams, on CPU)
+# Recording collectives (the stream runtime double, StreamDouble, is in
+# benchmarks/_fake_cuda.py: the GPU check's dry run uses it too)
 # ==========================================================================
-
-
-class _Event:
-    def __init__(self, n: int, stream: "_Stream"):
-        self.n, self.stream = n, stream
-
-    def synchronize(self) -> None:
-        self.stream.rt.log.append(("sync", self.stream.name, self.n))
-
-
-class _Stream:
-    def __init__(self, name: str, rt: "StreamDouble"):
-        self.name, self.rt = name, rt
-
-    def record_event(self) -> _Event:
-        ev = _Event(next(self.rt.ids), self)
-        self.rt.log.append(("record", self.name, ev.n))
-        return ev
-
-    def wait_event(self, ev: _Event) -> None:
-        self.rt.log.append(("wait", self.name, ev.n))
-
-
-class StreamDouble:
-    """The stream runtime of ``StreamManager`` (``fsdp_compose._streams``, the
-    seam ``runtime_factory``) as a double: streams and events record into
-    ``log`` instead of ordering anything (``("record", stream, n)``,
-    ``("wait", stream, n)``, ``("sync", stream, n)``); host copies are logged
-    with the stream they are issued on (``("h2d", stream)``, ``("d2h",
-    stream, pinned)``); ``mark`` logs a test's own milestones.
-    ``side_streams``: the names of the streams the manager makes, in the order
-    it makes them (the all-gather stream first); one more is an error."""
-
-    def __init__(self, side_streams: Sequence[str] = ("ag", "rs", "ar")):
-        self.log: list = []      # stream operations, copies, issues, releases, marks
-        self.issues: list = []   # (kind, stream, async_op, numel) of every collective
-        self.ids = itertools.count()
-        self._names = iter(side_streams)
-        self._stack = [_Stream("compute", self)]
-        self._pinned = WeakIdKeyDictionary()
-
-    def current_stream(self) -> _Stream:
-        return self._stack[-1]
-
-    def new_stream(self) -> _Stream:
-        return _Stream(next(self._names), self)
-
-    @contextlib.contextmanager
-    def use(self, stream: _Stream):
-        self._stack.append(stream)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-
-    def host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        if pin:
-            self._pinned[t] = True
-        return t
-
-    def host_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.log.append(("h2d", self.current_stream().name))
-        dst.copy_(src)
-
-    def device_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.log.append(("d2h", self.current_stream().name, dst in self._pinned))
-        dst.copy_(src)
-
-    def mark(self, what: str) -> None:
-        self.log.append(("mark", what))
 
 
 class IssueRecorder:

@@ -226,7 +226,8 @@ def count_collectives():
         reset_comm_stats()
         yield counts
     st = comm_stats()
-    counts["ours"] = st.all_gather_calls + st.reduce_scatter_calls + st.all_reduce_calls
+    counts["ours"] = (st.all_gather_calls + st.reduce_scatter_calls + st.all_reduce_calls
+                      + st.all_to_all_calls)
     counts["dispatcher"] = cdm.get_total_counts()
     counts["python"] = len(calls)
 
@@ -532,9 +533,10 @@ def _close(a, b) -> bool:
 # -------------------------------------------------------------------- tests
 def test_state_dicts_take_fsdp2s_form(runs):
     for r in runs[2]:
-        # one all-gather per sharded parameter (the parameters; not the buffer)
+        # at most one all-to-all per sharded parameter (none where our rows are
+        # FSDP2's chunk already); nothing for the buffer
         assert r["sd_dtensors"] > 0
-        assert r["sharded_counts"]["ours"] == r["sd_dtensors"], r["sharded_counts"]
+        assert 0 < r["sharded_counts"]["ours"] <= r["sd_dtensors"], r["sharded_counts"]
         assert all(v > 0 for v in r["full_counts"].values()), r["full_counts"]
         assert r["sd_types"] == ["DTensor", "Tensor"]  # parameters; the buffer
         assert r["sd_keys"]

@@ -1,6 +1,8 @@
 """The stacks users run FSDP2 with, driving fsdp_compose through
 ``use_as_fsdp2()``: accelerate's FSDP2 plugin (train, ``save_state`` /
-``load_state``, ``get_state_dict``) against torch's FSDP2 on the same script,
+``load_state``, ``get_state_dict``) and the transformers Trainer (a checkpoint
+in both state-dict types, ``resume_from_checkpoint``) against torch's FSDP2 on
+the same script,
 2 gloo ranks (see tests/_ecosystem.py for how both are put on accelerate's
 FSDP2 path on CPU)."""
 from __future__ import annotations
@@ -25,6 +27,8 @@ def _same(a: dict, b: dict) -> bool:
 
 def test_both_take_accelerates_fsdp2_path(runs):
     for name, per_rank in runs.items():
+        if name.startswith("trainer_"):
+            continue  # (test_trainer_trains_and_resumes_as_fsdp2)
         for r in per_rank:
             assert r["is_fsdp2"] and r["fsdp_module"], name
     assert runs["ours"][0]["class_from"] == "fsdp_compose._fsdp_module"
@@ -62,3 +66,20 @@ def test_checkpoints_interchange_with_fsdp2(runs):
     a, b = runs["ours_from_fsdp2"][0], runs["fsdp2_from_ours"][0]
     assert _same(a["full_loaded"], f2["full_at_save"]) and a["resumed"] == f2["uninterrupted"]
     assert _same(b["full_loaded"], ours["full_at_save"]) and b["resumed"] == ours["uninterrupted"]
+
+
+@pytest.mark.parametrize("sd_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_trainer_trains_and_resumes_as_fsdp2(runs, sd_type):
+    ours, f2 = runs[f"trainer_ours_{sd_type}"], runs[f"trainer_fsdp2_{sd_type}"]
+    for r in ours + f2:
+        assert r["fsdp2_path"]
+    assert ours[0]["class_from"] == "fsdp_compose._fsdp_module"
+    for a, b in zip(ours, f2):
+        assert a["losses"] == b["losses"]                 # bitwise, as FSDP2's
+        assert a["resumed"] == a["losses"][-2:]           # resumed at step 2: the same steps 3-4
+    assert ours[0]["full"] and _same(ours[0]["full_resumed"], ours[0]["full"])
+    # The Trainer clips (max_grad_norm 1.0): FSDP2's norm is a DTensor reduction,
+    # ours the same sum in another order, so parameters agree to rounding.
+    a, b = ours[0]["full"], f2[0]["full"]
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)

@@ -1,7 +1,8 @@
 """The CUDA/NCCL path, checked on a CPU-only machine: one test per item of
 issue 20 (each fails without its fix).
 
-Two doubles stand in for what this machine lacks:
+Two doubles stand in for what this machine lacks (benchmarks/_fake_cuda.py,
+shared with ``python -m benchmarks.gpu_check --dry-run``):
 
 * ``CudaJob`` (items 1, 2, 6, through the public API): torch as a GPU job
   sees it: a visible GPU (``torch.cuda.is_available`` / ``device_count`` /
@@ -13,7 +14,7 @@ Two doubles stand in for what this machine lacks:
   another device. A move to CUDA (``Tensor.to``) gives a CPU copy marked as
   on CUDA; allocating on CUDA still fails (the build has no CUDA kernels),
   which is how the tests see that a CUDA device was chosen.
-* ``StreamDouble`` (tests/_support.py; items 3, 4, 5, 7, 8): the stream
+* ``StreamDouble`` (items 3, 4, 5, 7, 8): the stream
   runtime of ``StreamManager``, also used by tests/test_streams.py. Streams
   and events record instead of ordering; host copies are logged with the
   stream they are issued on and whether their host buffer is pinned;
@@ -26,21 +27,17 @@ Two doubles stand in for what this machine lacks:
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.distributed_c10d import BackendConfig
 from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 
 import fsdp_compose._streams as streams_mod
+from benchmarks._fake_cuda import CudaJob
 from fsdp_compose import (CPUOffloadPolicy, clip_grad_norm_, fully_shard, materialize,
                           param_info)
 
@@ -54,70 +51,6 @@ from .test_streams import _check_protocol
 # CUDA build on a machine without a GPU (its driver is missing)
 NO_CUDA = ("Torch not compiled with CUDA enabled", "from the 'CUDA' backend",
            "Found no NVIDIA driver on your system")
-
-
-# --------------------------------------------------------------- CUDA job double
-class CudaJob:
-    """See the module doc. ``spelling``: the backend given to
-    ``init_process_group`` (None: no backend, torch reports "undefined");
-    ``nccl_groups``: process groups that answer as NCCL-only ones."""
-
-    def __init__(self, spelling: str | None = "cpu:gloo,cuda:nccl", nccl_groups=()):
-        self.spelling = spelling or "undefined"
-        # BackendConfig("undefined") takes the machine's accelerator: up to torch
-        # 2.13 from torch._C._get_accelerator() (the build's), from 2.14 on from
-        # torch.accelerator.current_accelerator(check_available=True) (None
-        # without a GPU, also in a CUDA build): on a GPU machine both say CUDA
-        with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")), \
-                mock.patch.object(torch.accelerator, "current_accelerator",
-                                  lambda check_available=False: torch.device("cuda")):
-            self.config = repr(BackendConfig(self.spelling))
-        self.nccl_groups = list(nccl_groups)
-        self.on_cuda = WeakIdKeyDictionary()  # tensors "moved to CUDA"
-        self.all_reduced: list = []  # (device type, backends of the group)
-
-    def _is_default(self, group) -> bool:
-        return group is None or group is dist.group.WORLD
-
-    @contextlib.contextmanager
-    def active(self):
-        real_backend, real_config = dist.get_backend, dist.get_backend_config
-        real_to, real_all_reduce = torch.Tensor.to, dist.all_reduce
-
-        def get_backend(group=None):
-            return self.spelling if self._is_default(group) else real_backend(group)
-
-        def get_backend_config(group=None):
-            if any(group is g for g in self.nccl_groups):
-                return "cuda:nccl"
-            return self.config if self._is_default(group) else real_config(group)
-
-        def to(t, *args, **kw):
-            target = kw.get("device", args[0] if args else None)
-            if isinstance(target, (str, torch.device)) and torch.device(target).type == "cuda":
-                moved = t.detach().clone()
-                self.on_cuda[moved] = True
-                return moved
-            return real_to(t, *args, **kw)
-
-        def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            device = "cuda" if t in self.on_cuda else t.device.type
-            backends = dict(p.split(":") for p in get_backend_config(group).split(","))
-            self.all_reduced.append((device, get_backend_config(group)))
-            if device not in backends:
-                raise RuntimeError(f"No backend type associated with device type {device}")
-            return real_all_reduce(t, op=op, group=group, async_op=async_op)
-
-        with contextlib.ExitStack() as stack:
-            for name, value in (("is_available", lambda: True), ("device_count", lambda: 8),
-                                ("current_device", lambda: 0), ("is_initialized", lambda: True),
-                                ("set_device", lambda d: None)):
-                stack.enter_context(mock.patch.object(torch.cuda, name, value))
-            stack.enter_context(mock.patch.object(dist, "get_backend", get_backend))
-            stack.enter_context(mock.patch.object(dist, "get_backend_config", get_backend_config))
-            stack.enter_context(mock.patch.object(torch.Tensor, "to", to))
-            stack.enter_context(mock.patch.object(dist, "all_reduce", all_reduce))
-            yield self
 
 
 def _outcome(fn) -> str:

@@ -76,7 +76,10 @@ class Tracker:
         for launch in (ctx._in_flight if ctx is not None else []):
             if launch.done or launch.pending is None:
                 continue
-            for t in launch.pending.keep_alive:
+            # the input only: on the side-stream (CUDA) path the Pending also
+            # keeps the output shard and HSDP partial sums alive, which are
+            # sharded gradients, not what the planner counts here
+            for t in launch.pending.keep_alive[:1]:
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())

@@ -69,6 +69,7 @@ class GroupInfo:
     replicas: int            # HSDP replicas
     post_forward: int | None  # reshard_after_forward=N
     layout: _layout.Layout
+    offload: bool = False    # CPUOffloadPolicy: shards and gradient shards in host memory
     entries: list = field(default_factory=list)  # (fqn, ndim, rows) per parameter
 
     @property
@@ -143,7 +144,7 @@ def describe(root_unit, blocks: list) -> list[UnitInfo]:
                 converts_grad=g.reduce_dtype != g.dtype, requires_grad=g.requires_grad,
                 direct=g.direct, aliased=g.aliased, world=g.world, replicas=g.replicas,
                 post_forward=g.post_forward.size if g.post_forward is not None else None,
-                layout=g.layout,
+                layout=g.layout, offload=g.offload,
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
                          for e in g.entries])
             groups.append(info)
@@ -192,14 +193,17 @@ class RankBytes:
         return self.params[r] + self.grads[r] + self.optim[r]
 
 
-def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[GroupInfo]]
-               ) -> RankBytes:
+def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[GroupInfo]],
+               host_copies: bool = False) -> RankBytes:
     """Every rank's shard, gradient-shard and optimizer-state bytes.
 
     ``grad_buffers``: the groups whose gradient shards share one buffer (a
     reduce-scatter bucket's output, see ``Step``): it lives on a rank while
     any of them holds a piece there. Direct groups (world size 1) get
-    autograd's own ``p.grad``, one tensor per parameter.
+    autograd's own ``p.grad``, one tensor per parameter. ``host_copies``
+    (the CUDA schedule): an offloaded group's gradient shard is its own copy
+    in host memory (``StreamManager.to_host``: the shard, no used-flags); on
+    gloo it stays a view of the reduce-scatter's output.
     """
     world = max((g.layout.world for u in units for g in u.groups), default=1)
     params, grads, optim = [0] * world, [0] * world, [0] * world
@@ -218,6 +222,11 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
                 if g.direct:
                     grads[r] += sum(n for _, n in pieces[r]) * g.itemsize
     for buf in grad_buffers:
+        if host_copies and all(g.offload for g in buf):
+            for g in buf:
+                for r in range(world):
+                    grads[r] += g.shard * g.itemsize if holds[id(g)][r] else 0
+            continue
         # a reduce-scatter with the flags inline outputs each group's shard
         # followed by its E flags; p.grad views keep that whole buffer alive
         inline = buf[0].world > 1 and (len(buf) > 1 or buf[0].inline_flags)

@@ -239,7 +239,8 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
     step = _planner.Step(units, schedule=cfg.schedule, prefetch_depth=cfg.prefetch_depth,
                          gather_bucket_bytes=cfg.bucket_bytes,
                          reduce_bucket_bytes=cfg.bucket_bytes, root_grads_last=last).run()
-    ranks = _planner.rank_bytes(units, cfg.optimizer, step.grad_buffers)
+    ranks = _planner.rank_bytes(units, cfg.optimizer, step.grad_buffers,
+                                host_copies=cfg.schedule == "cuda")
     n = len(ranks.params)
     top = max(range(n), key=lambda r: (ranks.total(r), -r))
     peaks = step.peaks()

@@ -31,6 +31,11 @@ collective on the main thread and the ``gloo:*`` events on gloo's threads
 (matched to the issues in order; a receive's ``gloo:recv`` event is on the
 main thread). gloo CPU ranks only: on CUDA the profiler
 shows NCCL kernels instead, not read here.
+
+For a CUDA trace (``python -m benchmarks.gpu_check``), ``stream_spans`` /
+``plot_streams`` draw the device side instead: one lane per CUDA stream
+(kernels, copies, memsets), and ``stream_overlap`` says how much of each side
+stream's work ran under the compute stream's.
 """
 from __future__ import annotations
 
@@ -238,6 +243,103 @@ def plot(spans: dict, title: str, path: str) -> str:
     ax.legend(handles=[Patch(color=COLORS[k], label=k.replace("_", "-")) for k in
                        ("compute", "hooks", "all_gather", "reduce_scatter", "optimizer")],
               loc="upper center", bbox_to_anchor=(0.5, -0.5 / rows - 0.08), ncol=5,
+              fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------- CUDA streams (GPU)
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def stream_spans(trace_path: str) -> dict:
+    """The device side of a CUDA profiler trace, per stream: ``{"streams":
+    {name: [(start, end) µs, ...]}, "copies": {name: [...]} (the copies and
+    memsets among them), "kinds": {name: {"kernel": n, "gpu_memcpy": n, ...}},
+    "steps": [start µs of each ``train_step`` label, on the device if the
+    trace has it there]}``. The busiest
+    stream is named ``compute (stream N)``, the others ``stream N`` (the trace
+    numbers streams as CUPTI does, not as torch.cuda.Stream does). Empty
+    ``streams`` for a CPU-only trace. Reads ``.json`` or ``.json.gz``."""
+    import gzip
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    by_stream: dict = {}
+    copies: dict = {}
+    kinds: dict = {}
+    for e in events:
+        if e.get("cat") not in DEVICE_CATS:
+            continue
+        sid = (e.get("args") or {}).get("stream", e.get("tid"))
+        iv = (e["ts"], e["ts"] + e["dur"])
+        by_stream.setdefault(sid, []).append(iv)
+        if e["cat"] != "kernel":
+            copies.setdefault(sid, []).append(iv)
+        k = kinds.setdefault(sid, {})
+        k[e["cat"]] = k.get(e["cat"], 0) + 1
+    busiest = max(by_stream, key=lambda s: _union_len(by_stream[s]), default=None)
+    name = {s: (f"compute (stream {s})" if s == busiest else f"stream {s}") for s in by_stream}
+    steps = [e for e in events if e["name"].startswith("train_step ")]
+    on_device = [e for e in steps if e.get("cat") == "gpu_user_annotation"]  # (CUDA traces)
+    return {"streams": {name[s]: sorted(v) for s, v in sorted(by_stream.items(),
+                                                            key=lambda kv: kv[0] != busiest)},
+            "copies": {name[s]: sorted(v) for s, v in copies.items()},
+            "kinds": {name[s]: k for s, k in kinds.items()},
+            "steps": sorted(e["ts"] for e in (on_device or steps))}
+
+
+def stream_overlap(spans: dict) -> dict:
+    """Per side stream: (ms busy, the share of it that ran while the compute
+    stream was busy too)."""
+    streams = spans["streams"]
+    compute = next((v for k, v in streams.items() if k.startswith("compute")), [])
+    out = {}
+    for name, ivs in streams.items():
+        if ivs is compute:
+            continue
+        total = _union_len(ivs)
+        both = total + _union_len(compute) - _union_len(ivs + compute)
+        out[name] = (total / 1e3, both / total if total else 0.0)
+    return out
+
+
+def plot_streams(spans: dict, title: str, path: str) -> str:
+    """One lane per CUDA stream (kernels, copies, memsets), step starts dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    streams = spans["streams"]
+    every = [a for ivs in streams.values() for a, _ in ivs] + spans["steps"]
+    t0 = min(every)
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(streams) + 1.6))
+    for i, (name, ivs) in enumerate(streams.items()):
+        y = len(streams) - 1 - i
+        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in ivs], (y + 0.1, 0.8),
+                       facecolors=COLORS["compute"] if name.startswith("compute")
+                       else COLORS["reduce_scatter"])
+        copies = spans.get("copies", {}).get(name, [])
+        if copies:  # copies and memsets drawn over the lane's kernels
+            ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in copies],
+                           (y + 0.1, 0.8), facecolors=COLORS["all_gather"])
+    for i, t in enumerate(spans["steps"]):
+        x = (t - t0) / 1e3
+        ax.axvline(x, color="black", lw=0.6, ls="--")
+        ax.text(x, len(streams) - 0.05, f" step {i + 1}", fontsize=8, va="top")
+    ax.set_yticks([len(streams) - 1 - i + 0.5 for i in range(len(streams))])
+    ax.set_yticklabels(list(streams))
+    ax.set_ylim(0, len(streams))
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(handles=[Patch(color=COLORS["compute"], label="compute-stream kernels"),
+                       Patch(color=COLORS["reduce_scatter"], label="side-stream kernels"),
+                       Patch(color=COLORS["all_gather"], label="copies / memsets")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.6 / len(streams) - 0.1), ncol=3,
               fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
