@@ -55,13 +55,19 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def _user_class(m: nn.Module) -> type:
+    """The class ``m`` had before fully_shard (make_fsdp_module's new class
+    has bases ``(FSDPModule, that class)``; its MRO has torch's FSDPModule
+    before it)."""
+    return type(m).__bases__[1] if isinstance(m, FSDPModule) else type(m)
+
+
 def _describe(modules: list[nn.Module]) -> str:
     """The unit's FQN once a parent was sharded, else its modules' class names."""
     names = []
     for m in modules:
         u = unit_of(m)
-        cls = type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)
-        names.append(u.fqn if u is not None and u.fqn else cls.__name__)
+        names.append(u.fqn if u is not None and u.fqn else _user_class(m).__name__)
     return ", ".join(names)
 
 
@@ -70,8 +76,7 @@ def _name_unit(unit: Unit) -> str:
     parent was sharded already, else fully_shard(<its modules' classes>)."""
     if unit.fqn:
         return f"'{unit.fqn}'"
-    classes = ", ".join((type(m).__mro__[2] if isinstance(m, FSDPModule) else type(m)).__name__
-                        for m in unit.modules)
+    classes = ", ".join(_user_class(m).__name__ for m in unit.modules)
     return f"the one made by fully_shard({classes})" if len(unit.modules) == 1 \
         else f"the one made by fully_shard([{classes}])"
 
