@@ -43,6 +43,7 @@ _grad_path.py).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -102,19 +103,24 @@ def _empty_as_none(r: tuple[int, int]) -> tuple[int, int] | None:
     return r if r[1] > r[0] else None
 
 
-def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list) -> torch.Tensor:
+def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's rows ``dst_rows[me]`` of entry ``e``, from every rank's rows
     ``src_rows[r]`` (``src`` is this rank's): one all-to-all over the shard
     group. Both lists partition the rows in rank order (ours: the flat buffer
     is the ranks' chunks end to end; ``Shard(0)``: torch.chunk's split), so each
     rank's outgoing and incoming segments are contiguous and in rank order: no
     copy on either side. Where both are the same partition (a function of the
-    layout, the same answer on every rank), no collective."""
+    layout, the same answer on every rank), no collective. ``out``: a
+    contiguous tensor to write the rows into (else a new one)."""
     me, inner = g.rank, math.prod(e.shape[1:])
     lo, hi = dst_rows[me]
+    shape = (hi - lo,) + tuple(e.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=src.dtype, device=src.device)
     if all(_empty_as_none(a) == _empty_as_none(b) for a, b in zip(src_rows, dst_rows)):
-        return src.reshape((hi - lo,) + tuple(e.shape[1:])).clone()
-    out = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=src.dtype, device=src.device)
+        out.view(shape).copy_(src.reshape(shape))
+        return out
     _collectives.all_to_all(out.view(-1), src.detach().reshape(-1).contiguous(),
                             [_overlap(src_rows[r], dst_rows[me]) * inner for r in range(g.world)],
                             [_overlap(src_rows[me], dst_rows[r]) * inner for r in range(g.world)],
@@ -243,8 +249,11 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
             return load_into(e.shape, e.local_range, value.to_local(), dst)
         if (e.tp is None and e.shape and value.device_mesh == g.mesh
                 and tuple(value.placements) == _placements(g)):
-            rows = redistribute(g, e, value.to_local(), _chunks(g, e), rank_rows(g, e))
-            dst.copy_(rows.reshape(-1))
+            local = value.to_local()
+            if local.dtype == dst.dtype and local.device == dst.device and dst.is_contiguous():
+                redistribute(g, e, local, _chunks(g, e), rank_rows(g, e), out=dst)
+            else:
+                dst.copy_(redistribute(g, e, local, _chunks(g, e), rank_rows(g, e)).reshape(-1))
             return None
         value = value.full_tensor()
     tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
@@ -468,7 +477,6 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
     default group). Values already DTensors are left alone; the live state is
     never modified (its dicts are replaced, not written)."""
     keyed = _keyed_params(optim, osd)
-    params = dict(keyed)
     mine: dict = {}
     for pid, p in keyed:
         hit = SHARDED.get(p)
@@ -520,16 +528,32 @@ def optim_state_from_dtensors(optim, osd: dict) -> dict:
     are sharded DTensors (every rank, same order: by parameter index). Where
     this rank holds none of a parameter the state is as in training: empty
     for an element-wise optimizer, none for one that needs whole tensors
-    (see [Note: optimizers on sharded parameters] in _torch_hooks.py)."""
+    (see [Note: optimizers on sharded parameters] in _torch_hooks.py).
+    Values are converted into the optimizer's own tensors where they fit, so
+    only a state dict whose param groups match the optimizer's (what
+    ``Optimizer.load_state_dict`` checks after this hook) is converted: any
+    other is left for torch to refuse, with nothing changed."""
+    saved = osd.get("param_groups", [])
+    if [len(gr["params"]) for gr in saved] != [len(gr["params"]) for gr in optim.param_groups]:
+        return osd
     state = dict(osd.get("state", {}))
-    for pid, p in _keyed_params(optim, osd):
-        if pid not in state:
+    keyed = [(pid, p, SHARDED.get(p)) for pid, p in _keyed_params(optim, osd) if pid in state]
+    for pid, p, hit in keyed:  # every shape first: nothing is written if one is wrong
+        if hit is None:
             continue
-        hit = SHARDED.get(p)
+        e = hit[1]
+        gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+        for k, v in state[pid].items():
+            if isinstance(v, DTensor) and tuple(v.shape) != gshape:
+                raise ValueError(_msg(f"{e.fqn}' optimizer state '{k}", f"the checkpoint's "
+                                      f"tensor has shape {tuple(v.shape)}, the model's is "
+                                      f"{gshape}."))
+    for pid, p, hit in keyed:
         if hit is None:
             continue
         g, e = hit
-        new = {k: _local_state(e.fqn, k, v, p, hit) for k, v in state[pid].items()}
+        live = optim.state.get(p, {})  # converted into where they can go (no second copy)
+        new = {k: _local_state(e.fqn, k, v, p, hit, live.get(k)) for k, v in state[pid].items()}
         if e.held_elsewhere() and not steps_empty_pieces(optim):
             del state[pid]
         else:
@@ -549,16 +573,12 @@ def _keyed_params(optim, osd: dict) -> list:
     return list(zip(keys, params))
 
 
-_ATTACHED: "weakref.WeakSet" = None  # optimizers whose state dicts we convert
+_ATTACHED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # hooks attached
 
 
 def attach_optimizer(optim) -> None:
     """Give ``optim`` the state-dict hooks of [Note: state dicts in FSDP2's
     form] (once), and convert state loaded before its first step."""
-    global _ATTACHED
-    import weakref
-    if _ATTACHED is None:
-        _ATTACHED = weakref.WeakSet()
     if optim in _ATTACHED:
         return
     _ATTACHED.add(optim)
@@ -800,9 +820,12 @@ def _optim_load_dict(optim, osd: dict, fqns: dict) -> dict:
     return {"state": new_state, "param_groups": new_groups}
 
 
-def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
+def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit,
+                 live: Any = None) -> Any:
     """This rank's piece of optimizer state ``v`` of sharded parameter ``p``:
-    ``v`` itself unless it is a DTensor or a full tensor of the global shape."""
+    ``v`` itself unless it is a DTensor or a full tensor of the global shape,
+    then written into ``live`` (the optimizer's current tensor for it) where
+    that has the piece's shape, dtype and device, else into a new tensor."""
     if hit is None:
         return v
     g, e = hit
@@ -812,7 +835,12 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit) -> Any:
     if not (isinstance(v, DTensor) or full):
         return v
     dtype = v.dtype
-    dst = torch.empty(p.shape, dtype=dtype, device=p.device)
+    if (isinstance(live, torch.Tensor) and not isinstance(live, DTensor)
+            and live.shape == p.shape and live.dtype == dtype and live.device == p.device
+            and live.is_contiguous()):
+        dst = live
+    else:
+        dst = torch.empty(p.shape, dtype=dtype, device=p.device)
     err = _load_entry(g, e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))

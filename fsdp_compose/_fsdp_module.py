@@ -491,6 +491,13 @@ class UnshardHandle:
 _CLASS_CACHE: dict[type, type] = {}
 
 
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` had before fully_shard (``FSDP<Name>`` is
+    ``(FSDPModule, <Name>)``)."""
+    cls = type(module)
+    return cls.__bases__[1] if issubclass(cls, FSDPModule) else cls
+
+
 def make_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
     new_cls = _CLASS_CACHE.get(cls)

@@ -20,7 +20,7 @@ from ._checkpoint import register_hooks as register_state_dict_hooks
 from ._common import default_device, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
 from ._flat_group import FlatGroup, PostForward
-from ._fsdp_module import FSDPModule, add_forward_hooks, make_fsdp_module
+from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
 from ._layout import GRANULARITIES
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
 from ._state import assign_fqns, lazy_init_root
@@ -55,19 +55,13 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _user_class(m: nn.Module) -> type:
-    """The class ``m`` had before fully_shard (make_fsdp_module's new class
-    has bases ``(FSDPModule, that class)``; its MRO has torch's FSDPModule
-    before it)."""
-    return type(m).__bases__[1] if isinstance(m, FSDPModule) else type(m)
-
-
 def _describe(modules: list[nn.Module]) -> str:
     """The unit's FQN once a parent was sharded, else its modules' class names."""
     names = []
     for m in modules:
         u = unit_of(m)
-        names.append(u.fqn if u is not None and u.fqn else _user_class(m).__name__)
+        cls = original_class(m)
+        names.append(u.fqn if u is not None and u.fqn else cls.__name__)
     return ", ".join(names)
 
 
@@ -76,7 +70,8 @@ def _name_unit(unit: Unit) -> str:
     parent was sharded already, else fully_shard(<its modules' classes>)."""
     if unit.fqn:
         return f"'{unit.fqn}'"
-    classes = ", ".join(_user_class(m).__name__ for m in unit.modules)
+    classes = ", ".join((original_class(m)).__name__
+                        for m in unit.modules)
     return f"the one made by fully_shard({classes})" if len(unit.modules) == 1 \
         else f"the one made by fully_shard([{classes}])"
 
@@ -288,9 +283,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     holding this rank's dim-0 rows, shape ``(rows, *shape[1:])`` (possibly 0
     rows), not a DTensor: ``p.ndim`` and ``p.shape[1:]`` are the original's;
     ``p.shape[0]`` is the rows this rank holds (the full shape at shard world
-    size 1). Where a rank holds no rows of a parameter, its ``p.grad`` is an
-    empty gradient of that shape wherever any rank produced a gradient for
-    it (None where none did, on every rank, as under DDP). ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
+    size 1). Where a rank holds no rows of a parameter, its ``p.grad`` stays
+    None. ``fsdp_compose.param_info(p)`` tells its FQN, global shape and rows
     at any world size. Build the optimizer after ``fully_shard``.
     """
     modules, label = _check_modules(module)

@@ -171,7 +171,10 @@ def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
 
 
 def _empty_pieces_to_hide(opt: torch.optim.Optimizer) -> tuple:
-    if steps_empty_pieces(opt):
+    """The parameters whose empty gradient ``opt.step()`` must not see (see the
+    Note); none for an element-wise optimizer, or for a container, whose
+    inner optimizers decide at their own steps."""
+    if steps_empty_pieces(opt) or (optimizer_kind(type(opt)) is None and _is_container(opt)):
         return ()
     return tuple(p for g in opt.param_groups for p in g["params"]
                  if (hit := SHARDED.get(p)) is not None and hit[1].held_elsewhere())
@@ -194,11 +197,34 @@ def _restore_empty_grads(opt: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
+def _inner_optimizers(opt: torch.optim.Optimizer) -> list:
+    """Optimizers ``opt`` holds as attributes (directly, or in a list, tuple or
+    dict): a container such as torchtitan's ``OptimizersContainer``, whose
+    ``step`` steps each of them."""
+    found = []
+    for v in vars(opt).values():
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        found += [o for o in items if isinstance(o, torch.optim.Optimizer) and o is not opt]
+    return found
+
+
+def _is_container(opt: torch.optim.Optimizer) -> bool:
+    """Every parameter of ``opt`` is stepped by an optimizer inside it, which is
+    checked at its own step: the container itself computes nothing."""
+    inner = _inner_optimizers(opt)
+    if not inner:
+        return False
+    covered = {id(p) for o in inner for g in o.param_groups for p in g["params"]}
+    return all(id(p) in covered for g in opt.param_groups for p in g["params"])
+
+
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
     check_no_replaced_params(opt)  # built before fully_shard: never trains
     cls = type(opt)
     kind = optimizer_kind(cls)
     if kind == ELEMENTWISE:
+        return
+    if kind is None and _is_container(opt):
         return
     for group in opt.param_groups:
         for p in group["params"]:

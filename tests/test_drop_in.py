@@ -7,14 +7,13 @@ state dict taken on the meta device and loaded with ``assign=True``
 FSDP2's, and the refusal of FSDP2's all-gather extension."""
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fsdp_compose
@@ -117,6 +116,43 @@ def _run(rank, world):
     out["clipped_vs_ref"] = [n for n, p in ref.named_parameters() if p.grad is not None
                              and not torch.allclose(clipped[n], p.grad, rtol=1e-4, atol=1e-6)]
 
+    # torch's full state dicts: taken on every rank, loaded with broadcast_from_rank0
+    from torch.distributed.checkpoint import state_dict as dsd
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, range(2), rank, world)
+    full_opts = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = dsd.get_state_dict(model, opt, options=full_opts)
+    # (torch's full optimizer state dict shares CPU tensors such as `step` with the
+    # live state, for FSDP2 too: keep a copy from this point)
+    msd, osd = copy.deepcopy(msd), copy.deepcopy(osd)
+    ref_losses = train(model, opt, range(2, 4), rank, world)
+    torch.manual_seed(1)
+    fresh = shard_ours(Net())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    bcast = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # (set_model/optimizer_state_dict: set_state_dict takes {} on a rank for "optimizer only")
+    dsd.set_model_state_dict(fresh, msd if rank == 0 else {}, options=bcast)
+    dsd.set_optimizer_state_dict(fresh, fresh_opt, osd if rank == 0 else {}, options=bcast)
+    out["broadcast_resume"] = (train(fresh, fresh_opt, range(2, 4), rank, world), ref_losses)
+
+    # an optimizer container (torchtitan's OptimizersContainer): checked by what it holds
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    params = list(model.parameters())
+    inner = [torch.optim.AdamW(params[:3], lr=1e-2), torch.optim.AdamW(params[3:], lr=1e-2)]
+    out["container"] = train(model, _Container(params, inner), range(2), rank, world)
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    out["plain"] = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(2),
+                         rank, world)
+    try:
+        _Unknown(model.parameters()).step()
+        out["unknown"] = None
+    except RuntimeError as e:
+        out["unknown"] = str(e)
+
     # accelerate's cpu_ram_efficient_loading: a state dict on meta, loaded with assign=True
     torch.manual_seed(0)
     full = Net().state_dict()
@@ -143,6 +179,33 @@ def _run(rank, world):
     out["eager_trains"] = train(eager, torch.optim.AdamW(eager.parameters(), lr=1e-2), range(2),
                                 rank, world)
     return out
+
+
+class _Container(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer pattern: an Optimizer over all the
+    parameters whose step steps the optimizers it holds."""
+
+    def __init__(self, params, optimizers):
+        self.optimizers = optimizers
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+
+class _Unknown(torch.optim.Optimizer):
+    """An optimizer of its own: refused on row pieces unless declared."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +245,20 @@ def test_get_total_norm_is_global(runs, world):
         total, ref = r["norm"]
         assert total == pytest.approx(ref, rel=1e-5)
         assert r["clipped_vs_ref"] == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_full_state_dict_broadcast_from_rank0_resumes(runs, world):
+    for r in runs[world]:
+        got, want = r["broadcast_resume"]
+        assert got == want
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimizer_container_is_checked_by_what_it_holds(runs, world):
+    for r in runs[world]:
+        assert r["container"] == r["plain"]
+        assert r["unknown"] and "declare_optimizer(_Unknown" in r["unknown"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
