@@ -29,7 +29,8 @@ empty piece too, empty, with the same ``step``) are DDP's. Optimizers:
 AdamW, SGD with momentum with ``zero_grad(set_to_none=False)`` and
 ``clip_grad_norm_``, every other element-wise ``torch.optim`` optimizer,
 gradient accumulation (``set_requires_gradient_sync``), frozen parameters,
-``ShardedGradScaler``, and the tensor layout (most ranks hold 0 rows of each
+``ShardedGradScaler``, a container of optimizers (torchtitan's
+``OptimizersContainer``), and the tensor layout (most ranks hold 0 rows of each
 parameter) with AdamW, Muon + AdamW and Adafactor (these two do not see the
 empty gradients: [Note: optimizers on sharded parameters]).
 """
@@ -205,7 +206,9 @@ def train(rank, world, make_opts, *, granularity="row", set_to_none=True, max_no
         problems += compare_with_reference(model, ddp.module, tag + " (after the step)")
         if check_state:
             for o, ro in zip(opts, ref_opts):
-                problems += state_problems(o, ro, model, ddp.module, tag)
+                for i, ri in (zip(o.optimizers, ro.optimizers) if isinstance(o, Container)
+                              else [(o, ro)]):
+                    problems += state_problems(i, ri, model, ddp.module, tag)
         for o in opts + ref_opts:
             o.zero_grad(set_to_none=set_to_none)
     patterns.append(none_pattern(model))
@@ -229,6 +232,32 @@ def muon_adamw(params):
 
 def adafactor(params):
     return [torch.optim.Adafactor(params, lr=0.05)]
+
+
+class Container(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer pattern: an Optimizer over all the
+    parameters whose step steps the optimizers it holds (theirs decide
+    whether they see empty gradients, at their own steps)."""
+
+    def __init__(self, params, optimizers):
+        self.optimizers = optimizers
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+
+def container(params):
+    """AdamW over the 2-D weights and SGD over the rest, in a container; the
+    state is compared through the optimizers it holds."""
+    inner = [*adamw([p for p in params if p.ndim == 2]),
+             *sgd([p for p in params if p.ndim != 2])]
+    return [Container(params, inner)]
 
 
 ELEMENTWISE = ("Adam", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "Adamax", "Rprop",
@@ -257,6 +286,7 @@ SCENARIOS = {
     "frozen": lambda r, w: train(r, w, adamw, freeze=("a.norm.weight", "b.l1.bias",
                                                        "out.bias", "temp")),
     "sharded_grad_scaler": lambda r, w: train(r, w, adamw, scaler=True),
+    "optimizer_container": lambda r, w: train(r, w, container),
     "tensor_adamw": lambda r, w: train(r, w, adamw, granularity="tensor"),
     "tensor_sgd_keep_clip": lambda r, w: train(r, w, sgd, granularity="tensor",
                                                set_to_none=False, max_norm=0.05),
