@@ -64,16 +64,13 @@ class FSDPModule(_TorchFSDPModule):
         ``to_empty`` ... after fully_shard cast or move the shards, as in FSDP2:
         see [Note: casts after fully_shard]."""
         global _APPLYING
-        # (past torch's FSDPModule in the MRO: its _apply reshards and reads
-        # FSDP2's state, which our units do not have)
-        apply = super(_TorchFSDPModule, self)._apply
         if _APPLYING:  # inside an outer module's _apply, which adopts the result
-            return apply(fn, recurse)
+            return super(_TorchFSDPModule, self)._apply(fn, recurse)  # (not torch's FSDP2 one)
         units = self._units(recurse)
         _before_apply(units)
         _APPLYING = True
         try:
-            out = apply(fn, recurse)
+            out = super(_TorchFSDPModule, self)._apply(fn, recurse)
         except BaseException:
             _register_sharded(units)
             raise
