@@ -123,7 +123,13 @@ class CudaJob:
 
     def __init__(self, spelling: str | None = "cpu:gloo,cuda:nccl", nccl_groups=()):
         self.spelling = spelling or "undefined"
-        with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
+        # BackendConfig("undefined") takes the machine's accelerator: up to torch
+        # 2.13 from torch._C._get_accelerator() (the build's), from 2.14 on from
+        # torch.accelerator.current_accelerator(check_available=True) (None
+        # without a GPU, also in a CUDA build): on a GPU machine both say CUDA
+        with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")), \
+                mock.patch.object(torch.accelerator, "current_accelerator",
+                                  lambda check_available=False: torch.device("cuda")):
             self.config = repr(BackendConfig(self.spelling))
         self.nccl_groups = list(nccl_groups)
         self.on_cuda = WeakIdKeyDictionary()  # tensors "moved to CUDA"

@@ -34,9 +34,11 @@ Optimizer state: ``optimizer.state_dict()`` and ``load_state_dict()`` get a
 post-hook and a pre-hook (per optimizer, attached at its first step by the
 optimizer check in _torch_hooks.py; an optimizer loaded before its first
 step holds DTensors until that step converts them). Which parameters and
-keys exist is merged over the ranks (one object all-gather): a rank that
-holds no rows of a parameter keeps no state for it, but its chunk may not be
-empty.
+keys exist is merged over the ranks (one object all-gather): an optimizer
+that needs whole tensors keeps no state for a parameter on a rank that holds
+no rows of it, but that rank's chunk may not be empty (an element-wise one
+keeps empty state there, as in training: [Note: empty pieces] in
+_grad_path.py).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives
 from ._common import TrainingState, rank as _rank
+from ._optim_kinds import steps_empty_pieces
 from ._registry import SHARDED, state_dict_slots, units_below
 
 
@@ -407,9 +410,11 @@ def _portable(info: dict) -> dict:
 def _merged_state_info(g, optim, ents) -> list[dict]:
     """``_state_info`` merged over the group's ranks (one object all-gather).
 
-    A rank keeps no state for a parameter it holds no rows of (see [Note: empty
-    pieces] in _grad_path.py), so which keys exist, and the scalar values,
-    come from the ranks that do; the key order is the first such rank's."""
+    An optimizer that needs whole tensors keeps no state for a parameter on a
+    rank that holds no rows of it (see [Note: optimizers on sharded
+    parameters] in _torch_hooks.py), so which keys exist, and the scalar
+    values, come from the ranks that do; the key order is the first such
+    rank's."""
     mine = _state_info(optim, ents)
     if g.world == 1:
         return mine
@@ -506,7 +511,7 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
         for k, (kind, v) in merged[pid].items():
             if kind == "piece":
                 piece = old.get(k)
-                if piece is None:  # this rank keeps none ([Note: empty pieces]): holds 0 rows
+                if piece is None:  # none here (a whole-tensor optimizer, 0 rows held)
                     piece = torch.zeros(p.shape, dtype=v, device=p.device)
                 new[k] = to_dtensor(g, e, piece.detach())
             else:
@@ -520,8 +525,10 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
 def optim_state_from_dtensors(optim, osd: dict) -> dict:
     """``osd`` with every DTensor (or full-shape tensor) of a sharded
     parameter's state replaced by this rank's rows; a collective where values
-    are sharded DTensors (every rank, same order: by parameter index). A rank
-    that holds none of a parameter keeps no state for it, as in training.
+    are sharded DTensors (every rank, same order: by parameter index). Where
+    this rank holds none of a parameter the state is as in training: empty
+    for an element-wise optimizer, none for one that needs whole tensors
+    (see [Note: optimizers on sharded parameters] in _torch_hooks.py).
     Values are converted into the optimizer's own tensors where they fit, so
     only a state dict whose param groups match the optimizer's (what
     ``Optimizer.load_state_dict`` checks after this hook) is converted: any
@@ -547,7 +554,7 @@ def optim_state_from_dtensors(optim, osd: dict) -> dict:
         g, e = hit
         live = optim.state.get(p, {})  # converted into where they can go (no second copy)
         new = {k: _local_state(e.fqn, k, v, p, hit, live.get(k)) for k, v in state[pid].items()}
-        if e.held_elsewhere():
+        if e.held_elsewhere() and not steps_empty_pieces(optim):
             del state[pid]
         else:
             state[pid] = new
@@ -626,7 +633,7 @@ def _param_fqns(model: nn.Module) -> dict:
 def _ensure_optim_state(optim) -> None:
     """Create the optimizer's state if it has none yet (a zero-gradient step with
     lr 0), so that a checkpoint can be loaded into it in place. Parameters this
-    rank holds no rows of keep no gradient, hence no state (as in training, see
+    rank holds no rows of get an empty zero gradient, as in training (see
     [Note: empty pieces] in _grad_path.py)."""
     if optim.state:
         return
@@ -634,8 +641,7 @@ def _ensure_optim_state(optim) -> None:
     if any(p.grad is not None for p in params):
         return
     for p in params:
-        hit = SHARDED.get(p)
-        if p.requires_grad and not (hit is not None and hit[1].held_elsewhere()):
+        if p.requires_grad:
             p.grad = torch.zeros_like(p)
     saved = []
     for grp in optim.param_groups:
@@ -665,7 +671,7 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
     for pid, p in enumerate(params):
         hit = SHARDED.get(p)
         if full is not None and hit is not None:
-            # every rank's state, also where this rank keeps none (empty piece)
+            # every rank's state, also where this rank keeps none (0 rows held)
             if id(hit[1]) in full:
                 state[fqns[p]] = full[id(hit[1])]
             continue

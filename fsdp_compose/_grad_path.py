@@ -49,11 +49,20 @@ on CUDA that read would be a device-to-host copy.
 
 [Note: empty pieces] Where this rank holds none of a parameter that other
 ranks hold (``ParamEntry.held_elsewhere``: a row piece of 0 rows, or a
-tensor-layout parameter owned by another rank), ``p.grad`` stays None: the
-optimizer skips the parameter here, as it skips any parameter without a
-gradient, and keeps no state for it on this rank. An empty gradient would
-make optimizers that normalise by the element count divide by zero
-(torch.optim.Adafactor) and run matrix code on empty matrices (Muon).
+tensor-layout parameter owned by another rank), the fold treats it like any
+other entry: where some rank produced its gradient, ``p.grad`` is an empty
+gradient of the piece's shape ``(0, *shape[1:])`` (of the gradient shard's
+dtype and device, but not a view of it: on a rank that holds nothing of a
+group a view would keep the whole gradient shard alive), and None where no
+rank did. So the pattern of ``p.grad is None`` is the same on every rank
+and is DDP's: per-parameter
+logging, a user's collective guarded by ``p.grad is not None``, or code
+comparing gradients across ranks sees one model. An element-wise optimizer
+steps the empty piece as DDP steps the whole: its state for it is created
+(empty tensors, and a ``step`` counted as on every other rank), and nothing
+moves. An optimizer that needs whole tensors (Adafactor divides by the
+element count) does not see the empty gradients during its ``step()``: see
+[Note: optimizers on sharded parameters] in _torch_hooks.py.
 
 The gradient shard is held only by the p.grad views (through their
 ``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
@@ -289,11 +298,11 @@ class GradientPath:
             self.on_grads_computed(grad_outputs)
 
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
-        """``buf`` becomes the gradient shard of the entries in ``take`` (not
-        of an empty piece held elsewhere, see [Note: empty pieces])."""
+        """``buf`` becomes the gradient shard of the entries in ``take`` (an
+        empty piece held elsewhere gets an empty gradient, see [Note: empty pieces])."""
         for e, t in zip(self.entries, take):
-            if t and not e.held_elsewhere():
-                e.sharded.grad = e.piece(buf)
+            if t:
+                e.sharded.grad = _empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf)
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -479,8 +488,16 @@ class GradientPath:
                 piece = e.piece(out)
                 if g is not None:
                     g.add_(piece.view_as(g))
-                elif (any_rank is None or any_rank[k]) and not e.held_elsewhere():
-                    e.sharded.grad = piece.clone()  # (a view would keep all of out alive)
+                elif any_rank is None or any_rank[k]:
+                    e.sharded.grad = (_empty_grad(e, out) if e.held_elsewhere()
+                                      else piece.clone())  # (a view would keep all of out alive)
+
+
+def _empty_grad(e, buf: torch.Tensor) -> torch.Tensor:
+    """The gradient of an empty piece held elsewhere: a tensor of its own, not
+    a view of ``buf`` (which would keep the gradient shard alive on a rank
+    that holds nothing of it, see [Note: empty pieces])."""
+    return buf.new_empty(e.piece_shape)
 
 
 def launch_bucket(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:

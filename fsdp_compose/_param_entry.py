@@ -72,7 +72,7 @@ class ParamEntry:
 
     def held_elsewhere(self) -> bool:
         """This rank holds none of it and another rank holds it: ``p.grad``
-        stays None here (see [Note: empty pieces])."""
+        is empty here (see [Note: empty pieces] in _grad_path.py)."""
         return self.is_empty() and not self.whole
 
 

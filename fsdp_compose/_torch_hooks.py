@@ -22,6 +22,20 @@ needing whole tensors. ``declare_optimizer(cls, kind)`` tells us otherwise.
 The check is cached per optimizer and redone when its parameter list changes:
 one dict lookup per step.
 
+Where a rank holds none of a parameter that another rank holds, its
+``p.grad`` is an empty gradient wherever the parameter got one ([Note: empty
+pieces] in _grad_path.py). An element-wise optimizer steps it as DDP's does
+(empty state, nothing moves). One that needs whole tensors may not take an
+empty tensor (Adafactor divides by the element count: ZeroDivisionError in
+plain PyTorch too), and it has nothing to compute there: the parameter is
+stepped whole on the rank that holds it. So for every optimizer that is not
+element-wise, those empty gradients are set aside for the length of its
+``step()`` (this pre-hook; torch's global step post-hook puts them back), and
+it keeps no state for them on this rank, as before this rank had a gradient
+there. A ``step()`` that raises leaves them set aside until this optimizer's
+next ``step()``; a closure that runs backward inside ``step()`` hands them to
+the optimizer again.
+
 [Note: torch.nn.utils.clip_grad_norm_]
 torch's ``clip_grad_norm_`` computes the norm of the gradients it is given:
 on sharded parameters that is this rank's part, so each rank would clip by a
@@ -58,25 +72,14 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from . import _compat, _divergence
 from ._common import rank as _rank, unit_error
+from ._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
+                           KINDS as _KINDS, optimizer_kind, steps_empty_pieces)
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
-
-ELEMENTWISE = "elementwise"    # exact on any piece
-WHOLE_TENSOR = "whole_tensor"  # exact where each piece is the whole tensor (or empty)
-GLOBAL = "global"              # reduces over all parameters: exact only unsharded
-_KINDS = (ELEMENTWISE, WHOLE_TENSOR, GLOBAL)
-
-_KIND_BY_CLASS: dict[type, str] = {}
-for _name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
-              "Adamax", "Rprop", "ASGD"):
-    _KIND_BY_CLASS[getattr(torch.optim, _name)] = ELEMENTWISE
-for _name in ("Muon", "Adafactor"):
-    if hasattr(torch.optim, _name):
-        _KIND_BY_CLASS[getattr(torch.optim, _name)] = WHOLE_TENSOR
-_KIND_BY_CLASS[torch.optim.LBFGS] = GLOBAL
 
 
 def declare_optimizer(cls: type, kind: str) -> None:
@@ -99,20 +102,11 @@ def declare_optimizer(cls: type, kind: str) -> None:
     _checked.clear()
 
 
-def optimizer_kind(cls: type) -> str | None:
-    """The declared kind of ``cls``: its own, or that of the nearest base it
-    inherits ``step`` from; None if unknown."""
-    for c in cls.__mro__:
-        kind = _KIND_BY_CLASS.get(c)
-        if kind is not None:
-            return kind
-        if "step" in vars(c):  # its own step: a base's kind says nothing about it
-            return None
-    return None
-
-
-# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters)
+# optimizer -> (the parameter-list signature it was checked with, holds sharded parameters,
+#              the parameters whose empty gradient its step() must not see)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+# optimizer -> [(parameter, its empty gradient)] set aside while its step() runs
+_set_aside: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
 
 
 def _signature(opt: torch.optim.Optimizer) -> tuple:
@@ -158,12 +152,18 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
     seen = _checked.get(opt)
     if seen is None or seen[0] != sig:
         _check_optimizer(opt)
-        seen = _checked[opt] = (sig, _holds_sharded(opt))
+        seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt))
         if seen[1]:  # its state dicts in FSDP2's form (and state loaded before this step)
             from ._checkpoint import attach_optimizer
             attach_optimizer(opt)
     if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
         _divergence.count_optimizer_step()
+    if seen[2]:
+        _set_aside_empty_grads(opt, seen[2])
+
+
+def _step_post_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+    _restore_empty_grads(opt)
 
 
 def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
@@ -175,6 +175,33 @@ def _holds_sharded(opt: torch.optim.Optimizer) -> bool:
             if hit is not None and (hit[0].world > 1 or hit[0].replicas > 1):
                 return True
     return False
+
+
+def _empty_pieces_to_hide(opt: torch.optim.Optimizer) -> tuple:
+    """The parameters whose empty gradient ``opt.step()`` must not see (see the
+    Note); none for an element-wise optimizer, or for a container, whose
+    inner optimizers decide at their own steps."""
+    if steps_empty_pieces(opt) or (optimizer_kind(type(opt)) is None and _is_container(opt)):
+        return ()
+    return tuple(p for g in opt.param_groups for p in g["params"]
+                 if (hit := SHARDED.get(p)) is not None and hit[1].held_elsewhere())
+
+
+def _set_aside_empty_grads(opt: torch.optim.Optimizer, params: tuple) -> None:
+    _restore_empty_grads(opt)  # (a step that raised: its step post-hook never ran)
+    aside = []
+    for p in params:
+        if p.grad is not None:
+            aside.append((p, p.grad))
+            p.grad = None
+    if aside:
+        _set_aside[opt] = aside
+
+
+def _restore_empty_grads(opt: torch.optim.Optimizer) -> None:
+    for p, grad in _set_aside.pop(opt, ()):
+        if p.grad is None:  # (unless the step's closure made a new one)
+            p.grad = grad
 
 
 def _inner_optimizers(opt: torch.optim.Optimizer) -> list:
@@ -356,6 +383,7 @@ def install() -> None:
         return
     _installed = True
     register_optimizer_step_pre_hook(_step_pre_hook)
+    register_optimizer_step_post_hook(_step_post_hook)
     original = nn.utils.clip_grad.clip_grad_norm_
     if not getattr(original, "_fsdp_compose_dispatch", False):
         dispatcher = _make_clip_dispatcher(original)

@@ -42,7 +42,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     Works for any mix of parameters sharded by ``fully_shard`` (row or tensor
     granularity, HSDP, tensor-parallel inside units), DTensor parameters, and
     plain replicated parameters. The ranks' pieces of a parameter partition
-    its elements (a rank holding none of it has no ``p.grad``), and padding is
+    its elements (a rank holding none of it has an empty ``p.grad``), and padding is
     in no parameter, so every element counts once. Every rank must pass the
     same parameters (as ``model.parameters()`` gives).
 

@@ -36,10 +36,10 @@ def local_piece(full: torch.Tensor, local_range, shard_world: int = 0, tp: bool 
 
 def piece_close(got, full: torch.Tensor, local_range, **tol) -> bool:
     """``got`` (a sharded parameter's tensor or gradient) equals ``full``'s
-    piece, within ``tol`` (``torch.allclose``). A gradient is None exactly
-    where this rank holds none of the parameter (docs/design.md, "Layout and
-    padding": empty pieces)."""
-    a, b = local_range
+    piece, within ``tol`` (``torch.allclose``). A gradient is never None
+    where ``full`` (the reference's) is not: where this rank holds none of
+    the parameter it is empty (docs/design.md, "Layout and padding": empty
+    pieces)."""
     if got is None:
-        return a == b and full.numel() > 0
+        return False
     return torch.allclose(got, local_piece(full, local_range), **tol)

@@ -169,9 +169,10 @@ def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
     found, as lines starting with ``tag``. Per parameter:
 
     * the names, in order, and ``requires_grad`` are the reference's;
-    * ``grads``: ``p.grad`` is None exactly where the reference's is, or where
-      this rank holds none of the parameter (docs/design.md, "Layout and
-      padding": empty pieces); else it is the reference gradient's piece;
+    * ``grads``: ``p.grad`` is None exactly where the reference's is, also
+      where this rank holds none of the parameter (there it is empty,
+      docs/design.md, "Layout and padding": empty pieces); else it is the
+      reference gradient's piece;
     * ``params``: the parameter is the reference parameter's piece;
     * a piece has the reference piece's shape and dtype, and values within
       ``torch.allclose(rtol, atol)`` (computed in float64).
@@ -194,7 +195,7 @@ def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
         if p.requires_grad != r.requires_grad:
             out.append(f"{tag} {name}: requires_grad {p.requires_grad}, reference "
                        f"{r.requires_grad}")
-        if grads and not (p.grad is None and (r.grad is None or a == b)):
+        if grads and not (p.grad is None and r.grad is None):
             if (p.grad is None) != (r.grad is None):
                 out.append(f"{tag} grad {name}[{a}:{b}]: {'None' if p.grad is None else 'set'}, "
                            f"reference {'None' if r.grad is None else 'set'}")

@@ -9,7 +9,8 @@ results are compared with it step by step.
 The model has what makes checkpoints hard: a tied embedding/head (one list
 unit), a float64 parameter next to float32 ones and a frozen parameter in the
 root unit, a buffer, parameters whose rows are split across ranks, and ranks
-that hold no rows of a parameter (hence no optimizer state for it). Both
+that hold no rows of a parameter (an empty gradient and empty optimizer
+state for it). Both
 layouts (row and tensor granularity) save, and load each other's and FSDP2's
 checkpoints at 1, 2 and 4 ranks.
 """

@@ -47,8 +47,10 @@ from ._support import (Block, IssueRecorder, Net, StreamDouble, per_unit_collect
                        shard)
 from .test_streams import _check_protocol
 
-# what this CPU-only build says when asked to allocate on CUDA
-NO_CUDA = ("Torch not compiled with CUDA enabled", "from the 'CUDA' backend")
+# what torch says here when asked to allocate on CUDA: a CPU-only build, or a
+# CUDA build on a machine without a GPU (its driver is missing)
+NO_CUDA = ("Torch not compiled with CUDA enabled", "from the 'CUDA' backend",
+           "Found no NVIDIA driver on your system")
 
 
 def _outcome(fn) -> str:

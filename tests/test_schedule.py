@@ -78,8 +78,9 @@ def _unused_on_rank1(rank, world, per_unit=True):
     reset_comm_stats()
     with record_schedule() as ev:
         m(x, use_branch=(rank == 0)).sum().backward()
-    # (p.grad stays None only where this rank holds no rows of p)
-    grads_set = all((p.grad is not None) == (p.numel() > 0) for p in m.layers[1].parameters())
+    # used on rank 0 only: p.grad on every rank, empty where it holds no rows of p
+    grads_set = all(p.grad is not None and p.grad.shape == p.shape
+                    for p in m.layers[1].parameters())
     start = next(i for i, e in enumerate(ev) if e[0] == "pre_backward")
     return _fmt(e for e in ev[start:] if e[0] in ("all_gather", "reduce_scatter",
                                                    "final_callback")), grads_set, _calls()

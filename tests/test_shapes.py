@@ -15,7 +15,8 @@ loss every step (relative 1e-5) and the parameters at the end:
   ``p.ndim >= 2``), both granularities;
 * ``muon``: ``torch.optim.Muon`` over the 2-D weights plus AdamW over the
   rest, tensor granularity: each matrix is orthogonalised on exactly one rank
-  per step, and ``p.grad`` is None where a rank holds none of a parameter;
+  per step, and ``p.grad`` is set on every rank as under DDP (empty where a
+  rank holds none of a parameter; Muon does not see those);
 * ``adafactor``: ``torch.optim.Adafactor``, tensor granularity.
 """
 from __future__ import annotations
@@ -188,9 +189,11 @@ def _train(granularity, make_optims, rank, world, count_ns=False) -> list[str]:
         if abs(loss.item() - ref_loss.item()) > RTOL * abs(ref_loss.item()):
             bad.append(f"step {step}: loss {loss.item()!r}, DDP {ref_loss.item()!r}")
         for name, p in model.named_parameters():
-            if (p.grad is None) != (param_info(p).rows == (0, 0)):
+            # as under DDP on every rank: set (empty where this rank holds no rows)
+            if p.grad is None or p.grad.shape != p.shape:
                 bad.append(f"step {step} {name}: p.grad is "
-                           f"{'None' if p.grad is None else 'set'} with rows {param_info(p).rows}")
+                           f"{'None' if p.grad is None else tuple(p.grad.shape)} with rows "
+                           f"{param_info(p).rows}")
         torch.optim._muon._zeropower_via_newtonschulz = counting_ns
         try:
             for o in opts:

@@ -173,10 +173,12 @@ def rank_pieces(layout: _layout.Layout) -> list[list[tuple[int, int]]]:
     return out
 
 
-# Optimizer state per parameter that has a gradient on a rank: (bytes per
+# Optimizer state per parameter that has a gradient, on every rank: (bytes per
 # element of the parameter's dtype, fixed bytes). AdamW: exp_avg, exp_avg_sq
 # and a float32 ``step``; SGD(momentum=0.9): one momentum buffer; Muon: one
-# momentum buffer for a 2-D parameter, AdamW's state for the rest.
+# momentum buffer for a 2-D parameter, AdamW's state for the rest. Where a rank
+# holds none of a parameter its gradient is empty and an element-wise optimizer
+# keeps (empty) state for it: AdamW's ``step``; Muon does not see it (nothing).
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
@@ -219,8 +221,9 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
                 params[r] += g.shard_of(r) * g.itemsize
                 if not g.requires_grad:
                     continue
-                for i, n in pieces[r]:
-                    optim[r] += _state_bytes(optimizer, n, g.itemsize, g.entries[i][1])
+                held = dict(pieces[r])
+                for i, (_, ndim, _) in enumerate(g.entries):
+                    optim[r] += _state_bytes(optimizer, held.get(i, 0), g.itemsize, ndim)
                 if g.direct:
                     grads[r] += sum(n for _, n in pieces[r]) * g.itemsize
     for buf in grad_buffers:
