@@ -100,7 +100,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _compat
-from ._checkpoint import (_as_list, _load_entry, _optim_load_dict, _param_fqns,
+from ._checkpoint import (_as_list, _keyed_params, _load_entry, _optim_load_dict, _param_fqns,
                           _units, get_state_dict, optim_state_from_dtensors, shapes_only)
 from ._common import META_FIX, TrainingState, rank as _rank, unit_error
 from ._registry import SHARDED, state_dict_slots
@@ -340,6 +340,10 @@ class _InPlace:
 
     def _leaf(self, container, key, path, value) -> None:
         model_key, optim_key = self.keys
+        if type(value).__name__ == "ShardedTensor":
+            raise TypeError(f"fsdp_compose [rank {_rank()}]: the state dict holds a "
+                            f"ShardedTensor at {'.'.join(map(str, path))!r}, which the verified "
+                            "load cannot describe; load with staged=True.")
         meta = container[key]
         ours = isinstance(value, DTensor) and value.to_local().is_meta
         if path[0] == model_key and len(path) == 2:
@@ -435,17 +439,8 @@ class _InPlace:
                 self.model.load_state_dict(sub, strict=False)
             for leaf, t in zip(batch, staged):
                 if leaf.kind == "piece":
-                    p = self.params[leaf.path[2]]
-                    g, e = SHARDED.get(p)
-                    live = next((o.state.get(p, {}).get(leaf.path[3]) for o in self.optims
-                                 if p in o.state), None)
-                    dst = live if _writable(live, p.shape, t.dtype) else torch.empty(
-                        p.shape, dtype=t.dtype, device=p.device)
-                    bad = _load_entry(g, e, t, dst.view(-1))
-                    if bad:  # (verified: cannot happen)
-                        raise RuntimeError(f"fsdp_compose [rank {_rank()}]: "
-                                           f"{'.'.join(map(str, leaf.path))}: {bad}")
-                    leaf.container[leaf.key] = dst
+                    leaf.container[leaf.key] = _write_piece(
+                        self.optims, self.params[leaf.path[2]], leaf.path[3], t)
                 elif leaf.kind == "plain":
                     live = leaf.live
                     if (type(live) is type(t) and _writable(live, t.shape, t.dtype)
@@ -502,7 +497,8 @@ class _Stage:
         _check_loadable(model)
         self.model, self.optims, self.keys = model, optims, (model_key, optim_key)
         _check_optims_loadable(optims)
-        msd, osd = get_state_dict(model, optims)
+        with shapes_only():  # the structure, shapes and dtypes only: no copy of the state
+            msd, osd = get_state_dict(model, optims)
         self.made: list[tuple[Any, Any, Any]] = []  # (container, key, staged value)
         self.device = torch.device(device)
         self.sd = {model_key: self._staged(msd)}
@@ -554,10 +550,41 @@ class _Stage:
             with torch.no_grad():
                 model.load_state_dict(msd, strict=True)
                 for o, osd in zip(optims, loads):
-                    osd = optim_state_from_dtensors(o, osd)
+                    osd = optim_state_from_dtensors(o, _into_live(o, osd))
                     _copy_into_live(o, osd)
                     o.load_state_dict(osd)
         return commit
+
+
+def _into_live(optim, osd: dict) -> dict:
+    """``osd`` (from ``_optim_load_dict``) with each DTensor state value of a
+    sharded parameter converted to this rank's rows straight into the live
+    state tensor (``_write_piece``), in parameter order then key order, the
+    same on every rank (the keys come from the checkpoint's structure): the
+    optimizer's new state is its old tensors, not a second allocation."""
+    state = dict(osd["state"])
+    for pid, p in _keyed_params(optim, osd):
+        if pid not in state or SHARDED.get(p) is None:
+            continue
+        state[pid] = {k: (_write_piece([optim], p, k, v) if isinstance(v, DTensor) else v)
+                      for k, v in state[pid].items()}
+    return {**osd, "state": state}
+
+
+def _write_piece(optims, p, key, value: DTensor) -> torch.Tensor:
+    """This rank's rows of optimizer state ``value`` (a DTensor) of sharded
+    parameter ``p``, written into the live state tensor where one of that shape
+    and dtype exists (else into a new one); returns it. A collective (the
+    conversion's all-to-all, or ``full_tensor()`` for other placements)."""
+    g, e = SHARDED.get(p)
+    live = next((o.state[p].get(key) for o in optims if p in o.state), None)
+    dst = live if _writable(live, p.shape, value.dtype) else torch.empty(
+        p.shape, dtype=value.dtype, device=p.device)
+    bad = _load_entry(g, e, value, dst.view(-1))
+    if bad:  # (the shapes were checked by DCP: not expected)
+        raise RuntimeError(f"fsdp_compose [rank {_rank()}] '{e.fqn}' optimizer state "
+                           f"'{key}': {bad}")
+    return dst
 
 
 def _check_loadable(model: nn.Module) -> None:
