@@ -20,7 +20,8 @@ One more case, ``late_fault``, damages the checkpoint *after* verification
 (the window the verified load does not protect): staged, nothing changes; in
 place, every rank still raises, with ``partial=True`` once earlier batches
 were written (``verified_small``), and a load of the good checkpoint then
-restores everything.
+restores everything. ``ranks_differ`` (in place only): one rank describes
+another state dict than the others; every rank raises before reading on.
 
 ``FSDP_TEST_PLAIN_LOAD=1`` runs the same cases through the README's plain
 recipe (``get_state_dict`` + ``dcp.load`` + ``set_state_dict``): every failure
@@ -285,6 +286,19 @@ def _load_run(rank, world, root, mode):
             with mock.patch.object(fsdp_compose._load_checkpoint, "_optim_load_dict",
                                    fail_last_rank):
                 out["after_read"] = _attempt(load, model, opt, os.path.join(root, "good"))
+            if mode != "staged":
+                # the last rank describes another state dict (its batches, and the
+                # all-to-alls in them, would not pair with the others')
+                lc = fsdp_compose._load_checkpoint
+                real_init = lc._InPlace.__init__
+
+                def other_description(self, *a, **k):
+                    real_init(self, *a, **k)
+                    if rank == world - 1:
+                        self.fingerprint += "-other"
+                with mock.patch.object(lc._InPlace, "__init__", other_description):
+                    out["ranks_differ"] = _attempt(load, model, opt,
+                                                   os.path.join(root, "good"))
         # an optimizer with no state yet keeps none
         torch.manual_seed(3)
         fresh = shard_ours(Net())
@@ -333,10 +347,11 @@ def loads():
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", BAD + ["one_rank", "after_read", "fresh_optimizer"])
+@pytest.mark.parametrize("case", BAD + ["one_rank", "after_read", "ranks_differ",
+                                  "fresh_optimizer"])
 def test_failed_load_changes_nothing_and_is_catchable(loads, mode, world, case):
     if case not in loads[mode, world][0]:
-        pytest.skip("needs more than one rank")
+        pytest.skip("needs more than one rank" if world == 1 else "the verified load's check")
     for rank, out in enumerate(loads[mode, world]):
         got = out[case]
         assert got["raised"] == "CheckpointLoadError" and got["catchable"], (rank, got)
@@ -361,6 +376,8 @@ def test_failure_messages_name_what_failed(loads, mode):
     assert "injected" in r0["after_read"]["message"] and r0["after_read"]["cause"] is None
     assert loads[mode, 2][1]["after_read"]["cause"] == "ValueError"
     assert "rank 1: ValueError: injected" in r0["after_read"]["message"]
+    if mode != "staged":
+        assert "rank 1: its model or optimizers are not rank 0's" in r0["ranks_differ"]["message"]
     if mode != "staged":  # found by the verification, before anything is written
         assert "while verifying the checkpoint" in r0["truncated"]["message"]
 
