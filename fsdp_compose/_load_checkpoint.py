@@ -303,6 +303,13 @@ class _InPlace:
         self.sd = {model_key: self._describe(msd, (model_key,))}
         if optims:
             self.sd[optim_key] = self._describe(osd, (optim_key,))
+        # optimizer state tensors (step ...) copied into in place; any other, or one
+        # two entries share (an lr tensor shared by param groups), is replaced
+        # by the read tensor only when the optimizer loads its state dict
+        seen: dict[int, int] = {}
+        for leaf in self.leaves:
+            seen[id(leaf.live)] = seen.get(id(leaf.live), 0) + 1
+        self.unshared = {i for i, n in seen.items() if n == 1}
         self.batches: list[list[_Leaf]] = []
         size = 0
         for leaf in self.leaves:
@@ -368,21 +375,11 @@ class _InPlace:
         checked. Raises on anything wrong."""
         self.source = (checkpoint_id, _reader(checkpoint_id, storage_reader))
         _dcp_load_local(self.sd, *self.source, into_meta=True)
-        self._check_tensors_kept(self.leaves, "meta")
+        for leaf in self.leaves:
+            _check_kept(leaf, leaf.container[leaf.key], leaf.meta)
         optim_key = self.keys[1]
         for o in self.optims:
             _optim_load_dict(o, self.sd[optim_key], self.fqns)
-
-    @staticmethod
-    def _check_tensors_kept(leaves, attr_or_values) -> None:
-        for i, leaf in enumerate(leaves):
-            want = leaf.meta if attr_or_values == "meta" else attr_or_values[i]
-            got = leaf.container[leaf.key]
-            if got is not want:
-                raise ValueError(
-                    f"fsdp_compose [rank {_rank()}]: the checkpoint holds a "
-                    f"{type(got).__name__} where the model or optimizer has a tensor "
-                    f"({'.'.join(map(str, leaf.path))!r}).")
 
     # ---------------------------------------------------------------- load
     def load(self, where: str) -> None:
@@ -420,11 +417,7 @@ class _InPlace:
             node = sub
             for k in leaf.path[:-1]:
                 node = node[k]
-            if node[leaf.path[-1]] is not t:
-                raise ValueError(
-                    f"fsdp_compose [rank {_rank()}]: the checkpoint holds a "
-                    f"{type(node[leaf.path[-1]]).__name__} where the model or optimizer has "
-                    f"a tensor ({'.'.join(map(str, leaf.path))!r}).")
+            _check_kept(leaf, node[leaf.path[-1]], t)
         return staged
 
     def _write(self, batch: list[_Leaf], staged: list[torch.Tensor]) -> None:
@@ -443,7 +436,8 @@ class _InPlace:
                         self.optims, self.params[leaf.path[2]], leaf.path[3], t)
                 elif leaf.kind == "plain":
                     live = leaf.live
-                    if (type(live) is type(t) and _writable(live, t.shape, t.dtype)
+                    if (leaf.path[1:2] == ("state",) and id(live) in self.unshared
+                            and type(live) is type(t) and _writable(live, t.shape, t.dtype)
                             and live.device == t.device):
                         live.copy_(t)
                         leaf.container[leaf.key] = live
@@ -464,6 +458,14 @@ class _InPlace:
             osd = optim_state_from_dtensors(o, _optim_load_dict(o, self.sd[optim_key],
                                                                 self.fqns))
             o.load_state_dict(osd)
+
+
+def _check_kept(leaf: _Leaf, got: Any, want: torch.Tensor) -> None:
+    """DCP replaces a tensor by the checkpoint's object where it holds no tensor."""
+    if got is not want:
+        raise ValueError(
+            f"fsdp_compose [rank {_rank()}]: the checkpoint holds a {type(got).__name__} "
+            f"where the model or optimizer has a tensor ({'.'.join(map(str, leaf.path))!r}).")
 
 
 def _writable(live, shape, dtype) -> bool:

@@ -428,3 +428,41 @@ def test_successful_load_equals_plain_load_and_resumes(loads, mode, world):
         assert out["ok_vs_plain"] == []
         assert out["lr_after"] == [1e-2]          # the checkpoint's, not the live 0.123
         assert out["resume"] == (True, [])
+
+
+# ------------------------------------------- an lr tensor shared by param groups
+def _two_groups(model, lr):
+    ps = list(model.parameters())
+    return torch.optim.AdamW([{"params": ps[:3], "lr": lr}, {"params": ps[3:], "lr": lr}])
+
+
+def _shared_lr_run(rank, world, path):
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    opt = _two_groups(model, torch.tensor(0.01))
+    train(model, opt, range(2), rank, world)
+    opt.param_groups[1]["lr"] = torch.tensor(0.02)  # the groups differ in the checkpoint
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    out = {}
+    for mode, kwargs in MODES.items():
+        torch.manual_seed(1)
+        live = shard_ours(Net())
+        live_opt = _two_groups(live, torch.tensor(0.5))  # one tensor in both groups
+        train(live, live_opt, [5], rank, world)
+        load_checkpoint(live, live_opt, path, **kwargs)
+        out[mode] = ([float(g["lr"]) for g in live_opt.param_groups],
+                     _differences(_snapshot(model, opt), _snapshot(live, live_opt)))
+    return out
+
+
+def test_tensor_lr_shared_by_param_groups():
+    """An lr tensor shared by the live param groups gets each group's own value
+    (it is replaced, not written into: writing group 1's value into the shared
+    tensor would give both groups 0.02)."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_safe_load_lr_") as root:
+        outs = run_distributed(_shared_lr_run, 2, os.path.join(root, "ckpt"), timeout=TIMEOUT)
+    for out in outs:
+        for mode, (lrs, diff) in out.items():
+            assert lrs == [pytest.approx(0.01), pytest.approx(0.02)], (mode, lrs)
+            assert diff == [], (mode, diff)
