@@ -171,6 +171,13 @@ def load_checkpoint(model: nn.Module, optimizers, checkpoint_id=None, *, storage
     optims = _as_list(optimizers)
     where = str(checkpoint_id) if checkpoint_id is not None else type(storage_reader).__name__
     fresh = [o for o in optims if not o.state]  # get_state_dict gives them state: undone on failure
+    err = None
+    try:  # local, then agreed: a rank that cannot load never enters get_state_dict's collective
+        _check_loadable(model)
+        _check_optims_loadable(optims)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        err = e
+    _agree(err, where, "checking the model and optimizers")
     if staged:
         _load_staged(model, optims, checkpoint_id, storage_reader, where, fresh, staging_device,
                      model_key, optim_key)
@@ -288,8 +295,6 @@ class _InPlace:
     in state-dict order, the batches, and the load. See [Note: verified load]."""
 
     def __init__(self, model, optims, model_key, optim_key, buffer_bytes):
-        _check_loadable(model)
-        _check_optims_loadable(optims)
         self.model, self.optims, self.keys = model, optims, (model_key, optim_key)
         with shapes_only():
             msd, osd = get_state_dict(model, optims)
@@ -496,9 +501,7 @@ class _Stage:
     """The staging state dict (``sd``) and what committing it needs."""
 
     def __init__(self, model, optims, device, model_key, optim_key):
-        _check_loadable(model)
         self.model, self.optims, self.keys = model, optims, (model_key, optim_key)
-        _check_optims_loadable(optims)
         with shapes_only():  # the structure, shapes and dtypes only: no copy of the state
             msd, osd = get_state_dict(model, optims)
         self.made: list[tuple[Any, Any, Any]] = []  # (container, key, staged value)

@@ -306,6 +306,16 @@ def _load_run(rank, world, root, mode):
         out["fresh_optimizer"] = _attempt(load, fresh, fresh_opt,
                                           os.path.join(root, "truncated"))
         out["fresh_optimizer"]["state_after"] = len(fresh_opt.state)
+        if world > 1:
+            # only the last rank cannot load (its fresh optimizer's parameters hold
+            # gradients): it must not skip the others' collectives
+            if rank == world - 1:
+                for p in fresh.parameters():
+                    p.grad = torch.zeros_like(p)
+            out["one_rank_not_loadable"] = _attempt(load, fresh, fresh_opt,
+                                                    os.path.join(root, "good"))
+            out["one_rank_not_loadable"]["state_after"] = len(fresh_opt.state)
+            fresh_opt.zero_grad(set_to_none=True)
 
     # the checkpoint is damaged after verification (the window the verified load leaves)
     late = os.path.join(root, f"late_{mode}_{world}")
@@ -348,7 +358,7 @@ def loads():
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", BAD + ["one_rank", "after_read", "ranks_differ",
-                                  "fresh_optimizer"])
+                                  "fresh_optimizer", "one_rank_not_loadable"])
 def test_failed_load_changes_nothing_and_is_catchable(loads, mode, world, case):
     if case not in loads[mode, world][0]:
         pytest.skip("needs more than one rank" if world == 1 else "the verified load's check")
@@ -358,7 +368,7 @@ def test_failed_load_changes_nothing_and_is_catchable(loads, mode, world, case):
         assert got["changed"] == [], (rank, got["changed"])
         assert "nothing was loaded on any rank" in got["message"]
         assert got["partial"] is False
-        if case == "fresh_optimizer":
+        if case in ("fresh_optimizer", "one_rank_not_loadable"):
             assert got["state_after"] == 0
 
 
