@@ -10,7 +10,11 @@ raises ``CheckpointException``, a ``BaseException`` that ``except Exception``
 does not catch.
 
 ``load_checkpoint`` (default, ``staged=False``) verifies everything first,
-then loads in place through a bounded buffer:
+then loads in place through a bounded buffer. In both modes the local checks
+that need no checkpoint (every unit idle and not on meta; an optimizer
+without state holds no gradients) come first and are agreed (one object
+all-gather), so that a rank that cannot load never leaves the others in the
+collective of step 1.
 
 1. *Describe* (``_InPlace.__init__``): the state dict's structure with meta
    tensors in place of values (``get_state_dict`` under ``shapes_only()``: the
