@@ -10,9 +10,15 @@ root), take one AdamW step (so optimizer state exists), then time:
   phase ends: what holding a state dict costs);
 - save: ``get_state_dict`` + ``dcp.save`` of model and optimizer;
 - load: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` of the same;
-- safe load (fsdp_compose only): ``fsdp_compose.load_checkpoint`` of the same,
-  which reads into a staging copy first (printed: its size, this rank's
-  tensors in ``get_state_dict``, max over ranks).
+- ``load_checkpoint`` (fsdp_compose only), both modes, each in fresh
+  ``torchrun`` processes of its own (the same build and one step, then the
+  load of the checkpoint the first launch saved, as the first phase: no
+  earlier phase's freed memory to reuse): the default (verify, then load in
+  place through a bounded buffer) and ``staged=True`` (reads into a staging
+  copy first; printed: its size, this rank's tensors in ``get_state_dict``,
+  max over ranks). Also printed: the absolute peak RSS during the load and
+  the peak before it (building the model and one training step): a resume
+  that peaks above training is what runs out of memory.
 
 Peak memory is the rise of each rank's peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs`` right before the phase) over its RSS before it:
@@ -61,7 +67,8 @@ def _local_bytes(tree) -> int:
     return tree.nbytes if isinstance(tree, torch.Tensor) else 0
 
 
-def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> None:
+def worker(impl: str, shape_name: str, path: str, per_item: bool = False,
+           load_mode: str | None = None) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -92,6 +99,8 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> Non
     opt.step()
     opt.zero_grad()
 
+    train_peak = _rss_kib("VmHWM") / 1024  # building the model and one step
+
     def phase(fn):
         dist.barrier()
         before = _rss_kib("VmRSS")
@@ -115,6 +124,22 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> Non
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
         set_(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
+    if load_mode is not None:  # load_checkpoint alone, first thing after the step
+        import fsdp_compose
+        before = _rss_kib("VmRSS") / 1024
+        res = {"load": phase(lambda: fsdp_compose.load_checkpoint(
+            model, opt, path, staged=load_mode == "staged")),
+            "load_peak_mib": _rss_kib("VmHWM") / 1024, "train_peak_mib": train_peak,
+            "rss_before_mib": before}
+        if load_mode == "staged":
+            res["staged_mib"] = _local_bytes(get(model, opt)) / 2**20
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, res)
+        if rank == 0:
+            print("RESULT " + json.dumps({"impl": impl, "ranks": out}), flush=True)
+        dist.destroy_process_group()
+        return
+
     held = []
 
     def take():  # the state dicts alone (ours: the conversion to FSDP2's form), kept alive
@@ -123,9 +148,6 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False) -> Non
     res = {"take": phase(take)}
     held.clear()
     res.update({"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024})
-    if impl == "fsdp_compose":
-        res["safe_load"] = phase(lambda: fsdp_compose.load_checkpoint(model, opt, path))
-        res["staged_mib"] = _local_bytes(get(model, opt)) / 2**20
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, res)
     if rank == 0:
@@ -143,37 +165,52 @@ def main(argv=None) -> int:
     ap.add_argument("--per-item-files", action="store_true",
                     help="FileSystemWriter(single_file_per_rank=False): one file per tensor box")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--load-mode", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.shape, args.dir, args.per_item_files)
+        worker(args.worker, args.shape, args.dir, args.per_item_files, args.load_mode)
         return 0
-    rows = {}
+    rows, safe = {}, {}
+
+    def launch(impl, path, load_mode=None):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.ranks}", "-m", "benchmarks.checkpoint",
+               "--worker", impl, "--shape", args.shape, "--dir", path]
+        cmd += ["--per-item-files"] if args.per_item_files else []
+        cmd += ["--load-mode", load_mode] if load_mode else []
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{impl} {load_mode or ''}: no result (exit {p.returncode})")
+        return json.loads(line[len("RESULT "):])["ranks"]
+
     for rep in range(args.repeats):
         for impl in IMPLS:
             path = os.path.join(args.dir, impl)
             shutil.rmtree(path, ignore_errors=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.ranks}", "-m", "benchmarks.checkpoint",
-                   "--worker", impl, "--shape", args.shape, "--dir", path]
-            cmd += ["--per-item-files"] if args.per_item_files else []
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{impl}: no result (exit {p.returncode})")
-            ranks = json.loads(line[len("RESULT "):])["ranks"]
+            ranks = launch(impl, path)
             size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            if impl == "fsdp_compose":  # load_checkpoint, both modes, fresh processes each
+                for mode in ("in place", "staged"):
+                    lr = launch(impl, path, "staged" if mode == "staged" else "verified")
+                    got = {"s": max(x["load"][0] for x in lr),
+                           "peak": max(x["load"][1] for x in lr),
+                           "abs": max(x["load_peak_mib"] for x in lr),
+                           "train": max(x["train_peak_mib"] for x in lr),
+                           "staged_mib": max(x.get("staged_mib", 0) for x in lr)}
+                    print(f"{impl} load_checkpoint ({mode}): {got['s']:.2f} s, peak "
+                          f"+{got['peak']:.0f} MiB (peak RSS {got['abs']:.0f} MiB during the "
+                          f"load, {got['train']:.0f} MiB building + one step)"
+                          + (f", staging copy {got['staged_mib']:.0f} MiB" if mode == "staged"
+                             else ""), flush=True)
+                    prev = safe.get(mode)
+                    safe[mode] = got if prev is None else {k: min(prev[k], got[k]) for k in got}
             shutil.rmtree(path, ignore_errors=True)
             r = {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
                  for k in ("take", "save", "load")}
             r["size_mib"] = size / 2**20
-            if "safe_load" in ranks[0]:
-                safe = (max(x["safe_load"][0] for x in ranks),
-                        max(x["safe_load"][1] for x in ranks),
-                        max(x["staged_mib"] for x in ranks))
-                print(f"{impl} load_checkpoint: {safe[0]:.2f} s, peak +{safe[1]:.0f} MiB "
-                      f"(staging copy {safe[2]:.0f} MiB)", flush=True)
             prev = rows.get(impl)
             rows[impl] = r if prev is None else {  # best of the repeats
                 k: (min(prev[k][0], r[k][0]), min(prev[k][1], r[k][1])) if k != "size_mib"
@@ -186,6 +223,10 @@ def main(argv=None) -> int:
         print(f"{impl:<14}{r['take'][0]:>8.2f}{r['take'][1]:>15.0f}"
               f"{r['save'][0]:>8.2f}{r['save'][1]:>15.0f}{r['load'][0]:>8.2f}"
               f"{r['load'][1]:>15.0f}{r['size_mib']:>10.0f}")
+    for mode, got in safe.items():
+        print(f"fsdp_compose load_checkpoint {mode + ':':<10}{got['s']:>6.2f} s, peak "
+              f"+{got['peak']:.0f} MiB (absolute {got['abs']:.0f} MiB; training "
+              f"{got['train']:.0f} MiB)")
     return 0
 
 

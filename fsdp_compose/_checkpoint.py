@@ -42,6 +42,7 @@ _grad_path.py).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
@@ -151,11 +152,30 @@ def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + c, rows)
 
 
+_SHAPES_ONLY = False  # set by shapes_only()
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside: ``to_dtensor`` gives meta DTensors (the global shape, dtype,
+    mesh and placements, no values) and runs no collective, so a state dict
+    taken there describes what a load reads without a copy of the state
+    (``load_checkpoint``'s verification). The optimizer hook's one object
+    all-gather still runs (it decides which keys exist)."""
+    global _SHAPES_ONLY
+    old, _SHAPES_ONLY = _SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY = old
+
+
 def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
     """What a state dict holds for entry ``e`` (or a per-element state tensor of
     it, ``piece`` shaped like ``e.sharded``): see [Note: state dicts in FSDP2's
-    form]. A collective over the shard group (none on meta)."""
-    meta = piece.is_meta
+    form]. A collective over the shard group (none on meta, nor inside
+    ``shapes_only()``, which gives meta DTensors)."""
+    meta = piece.is_meta or _SHAPES_ONLY
     if e.tp is not None:
         local = (torch.empty(e.shape, dtype=piece.dtype, device="meta") if meta
                  else gather_entry(g, e, piece).clone())
