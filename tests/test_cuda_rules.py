@@ -570,7 +570,8 @@ def _agreement_syncs(rank, world):
     from fsdp_compose import _divergence
     sliced = []
     real_wait = _divergence.wait
-    with mock.patch.object(_divergence, "wait", lambda w: (sliced.append(1), real_wait(w))):
+    with mock.patch.object(_divergence, "wait",
+                           lambda w, *a, **k: (sliced.append(1), real_wait(w, *a, **k))):
         got = _collectives.min_across([rank + 3, 7 - rank], [dist.group.WORLD])
     out["gloo"] = (got, len(sliced))
     return out

@@ -303,9 +303,9 @@ def bucketed(rank, world):
         if world == 4 else None
     if mesh is not None:  # HSDP through the default buckets
         problems, counts = _fp32_parity(rank, world, mesh=mesh)
-        # one bucket per pass in the shard groups of 2; the replica all-reduce
-        # is per flat group (5), not bucketed
-        want = _agreed([[(6, 1, 5)]] + [[(2, 1, 5)]] * (STEPS - 1), groups=2)
+        # one bucket per pass in the shard groups of 2, and one replica
+        # all-reduce per bucket (was one per flat group: 5)
+        want = _agreed([[(6, 1, 1)]] + [[(2, 1, 1)]] * (STEPS - 1), groups=2)
         if counts != want:
             problems.append(f"counts {counts}, want {want}")
         results += [f"hsdp: {p}" for p in problems]

@@ -106,6 +106,13 @@ class GroupInfo:
         return len(self.entries)
 
     @property
+    def inline_width(self) -> int:
+        """Elements the flags take after the shard when they ride inline: E,
+        then zeros to the next 16 bytes (``GradientPath.flags_row``)."""
+        align = _layout.align_elems(self.reduce_itemsize)
+        return self.flags + (-(self.shard + self.flags) % align)
+
+    @property
     def inline_flags(self) -> bool:
         """Reduced alone, its flags ride in its reduce-scatter (small groups of
         equal chunks)."""
@@ -237,12 +244,13 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
         inline = buf[0].world > 1 and (len(buf) > 1 or buf[0].inline_flags)
         if len(buf) == 1 or buf[0].converts_grad:  # one buffer per group
             for g in buf:
-                flags = g.flags if inline and not g.converts_grad else 0
+                flags = g.inline_width if inline and not g.converts_grad else 0
                 item = g.itemsize if g.converts_grad else g.reduce_itemsize
                 for r in range(world):
                     grads[r] += (g.shard_of(r) + flags) * item if holds[id(g)][r] else 0
             continue
-        size = sum(g.shard + (g.flags if inline else 0) for g in buf) * buf[0].reduce_itemsize
+        size = sum(g.shard + (g.inline_width if inline else 0) for g in buf) \
+            * buf[0].reduce_itemsize
         for r in range(world):
             grads[r] += size if any(holds[id(g)][r] for g in buf) else 0
     return RankBytes(params, grads, optim)
@@ -579,7 +587,7 @@ class Step:
                     W = part[0].world
                     self.comm.reduce_scatter_calls += 1
                     if len(part) > 1 or part[0].inline_flags:  # E flag columns per rank
-                        nbytes += sum(W * g.flags * g.reduce_itemsize for g in part)
+                        nbytes += sum(W * g.inline_width * g.reduce_itemsize for g in part)
                         self.comm.reduce_scatter_bytes += nbytes
                     else:  # the flags' own all-reduce (fp32), next to it
                         self.comm.reduce_scatter_bytes += nbytes
@@ -592,13 +600,14 @@ class Step:
 
     def _drain(self) -> None:
         for part, _ in self.in_flight:
+            if part[0].replicas > 1:  # one all-reduce per bucket (inline flags in it)
+                inline = len(part) > 1 or part[0].inline_flags
+                self.comm.all_reduce_calls += 1 if inline else 2
             for g in part:
-                if g.replicas > 1:  # (inline flags travel in the same all-reduce)
-                    inline = len(part) > 1 or g.inline_flags
-                    self.comm.all_reduce_calls += 1 if inline else 2
+                if g.replicas > 1:
                     n = self.shard_all_reduces.get(id(g), (g, 0))[1]
                     self.shard_all_reduces[id(g)] = (g, n + 1)
-                    self.comm.all_reduce_bytes += (g.shard + (g.flags if inline else 0)) \
+                    self.comm.all_reduce_bytes += (g.shard + (g.inline_width if inline else 0)) \
                         * g.reduce_itemsize + (0 if inline else g.flags * 4)
         self.in_flight = []
 
