@@ -232,8 +232,8 @@ def stop(record: str, checks: "StepChecks | None" = None) -> None:
     store = _store()
     if store is not None:
         try:
-            for key in keys:
-                store.set(key, record)
+            for key in keys:  # the first record stays: the rank that found the divergence
+                store.compare_set(key, "", record)  # ("": set only where there is none)
         except RuntimeError:  # the store's host (rank 0's process) is gone
             pass
 
@@ -312,6 +312,9 @@ class CollectiveStopped(DivergenceError):
         self.reason = reason
 
 
+RECORD_GRACE = 1.0  # seconds a failed collective waits for a peer's record (see wait)
+
+
 def wait(work, at: tuple | None = None, stuck=None) -> None:
     """``work.wait()`` for a collective that blocks the CPU (gloo), in slices:
     between slices, read the store for a record of a rank that stopped. A
@@ -335,6 +338,12 @@ def wait(work, at: tuple | None = None, stuck=None) -> None:
                 failure = None
         if failure is not None:
             record = peer_record()
+            # A peer that raised posts its record, then exits, which fails this
+            # collective: the two race, so give its record a moment to land.
+            deadline = time.monotonic() + RECORD_GRACE
+            while record is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                record = peer_record()
             reason = f"{type(failure).__name__}: {_first_line(failure)}"
             if record is not None:
                 reason += f"; {record}"

@@ -77,7 +77,7 @@ def _write_atomic(path: str, payload: Any) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, workdir: str, dump_at: float,
-           fn: Callable, args: tuple) -> None:
+           fn: Callable, args: tuple, linger: float = 0.0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     os.environ["RANK"] = str(rank)
@@ -126,6 +126,14 @@ def _child(rank: int, world_size: int, port: int, workdir: str, dump_at: float,
         _write_atomic(result_path, ("err", time.time(), type(e).__name__, traceback.format_exc()))
     sys.stdout.flush()
     sys.stderr.flush()
+    if rank == 0 and linger:
+        # Rank 0's process hosts the TCPStore (as torchrun's agent would, apart
+        # from the workers): keep it up until every rank has ended, so that a
+        # rank still reading the others' records is not cut off by rank 0's exit.
+        until = time.time() + linger
+        while time.time() < until and not all(
+                os.path.exists(os.path.join(workdir, f"rank{r}.pkl")) for r in range(world_size)):
+            time.sleep(0.05)
 
 
 def _start_method() -> str:
@@ -154,7 +162,7 @@ def _kill(procs) -> None:
         p.join(5)
 
 
-def _launch(fn, world_size, args, timeout, grace, start_method, ended=None):
+def _launch(fn, world_size, args, timeout, grace, start_method, ended=None, linger=0.0):
     ctx = mp.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="fsdp_dist_")
     try:
@@ -162,12 +170,13 @@ def _launch(fn, world_size, args, timeout, grace, start_method, ended=None):
         dump_at = time.time() + max(0.5, timeout - min(5.0, timeout * 0.1))
         procs = [
             ctx.Process(target=_child, name=f"rank{r}",
-                        args=(r, world_size, port, workdir, dump_at, fn, args), daemon=True)
+                        args=(r, world_size, port, workdir, dump_at, fn, args, linger),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
-        t0 = time.monotonic()
+        t0, t0_wall = time.monotonic(), time.time()
         deadline = t0 + timeout
         results: List[Any] = [None] * world_size
         first_fail_at = None
@@ -175,14 +184,16 @@ def _launch(fn, world_size, args, timeout, grace, start_method, ended=None):
             for r, p in enumerate(procs):
                 if results[r] is None and not p.is_alive():
                     p.join()
-                    res = _read(os.path.join(workdir, f"rank{r}.pkl"))
+                    path = os.path.join(workdir, f"rank{r}.pkl")
+                    res = _read(path)
                     if res is None:
                         res = ("err", time.time(), "ProcessDied",
                                f"rank {r} exited with code {p.exitcode} without a result "
                                f"(crash or signal)\n")
                     results[r] = res
-                    if ended is not None:
-                        ended[r] = time.monotonic() - t0
+                    if ended is not None:  # when its result was written (rank 0 may linger)
+                        ended[r] = (os.path.getmtime(path) - t0_wall if os.path.exists(path)
+                                    else time.monotonic() - t0)
             done = [res is not None for res in results]
             if all(done):
                 break
@@ -310,7 +321,9 @@ def run_distributed_outcomes(fn: Callable, world_size: int, *args: Any, timeout:
     if start_method == "fork":
         _prewarm()
     ended = [0.0] * world_size
-    results = _launch(fn, world_size, args, timeout, timeout, start_method, ended)
+    # (rank 0 lingers: every rank is meant to end, and to read its peers' records)
+    results = _launch(fn, world_size, args, timeout, timeout, start_method, ended,
+                      linger=min(20.0, timeout))
     out = []
     for r, res in enumerate(results):
         if res[0] == "ok":
