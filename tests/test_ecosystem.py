@@ -7,11 +7,17 @@ the same script,
 FSDP2 path on CPU)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
+# Checked without importing them: the test processes are forked from pytest's,
+# and transformers imported here would make every later fork carry (and copy
+# on write) its objects, which test_memory's peak-RSS bound would see.
+for _name in ("accelerate", "transformers"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"needs {_name} (the test extra)", allow_module_level=True)
 
 from . import _ecosystem  # noqa: E402
 
