@@ -433,3 +433,21 @@ def call_by_name(functions: Sequence[Callable], name: str, rank: int, ws: int):
     """``Scenarios(functools.partial(call_by_name, FUNCTIONS))``: the scenarios
     are functions ``fn(rank, world)``, named by their ``__name__``."""
     return {fn.__name__: fn for fn in functions}[name](rank, ws)
+
+
+class OptimizerContainer(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer pattern: an Optimizer over all the
+    parameters whose step steps the optimizers it holds (those decide, at
+    their own steps, what the optimizer check and the empty gradients do)."""
+
+    def __init__(self, params, optimizers):
+        self.optimizers = optimizers
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)

@@ -20,6 +20,7 @@ import fsdp_compose
 from fsdp_compose import fully_shard
 
 from ._dist import run_distributed
+from ._support import OptimizerContainer
 from .test_checkpoint import V, Net, batch, shard_fsdp2, shard_ours, train
 
 TIMEOUT = 120
@@ -142,7 +143,7 @@ def _run(rank, world):
     model = shard_ours(Net())
     params = list(model.parameters())
     inner = [torch.optim.AdamW(params[:3], lr=1e-2), torch.optim.AdamW(params[3:], lr=1e-2)]
-    out["container"] = train(model, _Container(params, inner), range(2), rank, world)
+    out["container"] = train(model, OptimizerContainer(params, inner), range(2), rank, world)
     torch.manual_seed(0)
     model = shard_ours(Net())
     out["plain"] = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), range(2),
@@ -179,23 +180,6 @@ def _run(rank, world):
     out["eager_trains"] = train(eager, torch.optim.AdamW(eager.parameters(), lr=1e-2), range(2),
                                 rank, world)
     return out
-
-
-class _Container(torch.optim.Optimizer):
-    """torchtitan's OptimizersContainer pattern: an Optimizer over all the
-    parameters whose step steps the optimizers it holds."""
-
-    def __init__(self, params, optimizers):
-        self.optimizers = optimizers
-        super().__init__(params, {})
-
-    def step(self, closure=None):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none=True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none)
 
 
 class _Unknown(torch.optim.Optimizer):

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_compose import fully_shard, param_info
 
 from ._pieces import local_piece
-from ._support import Scenarios, _value_problem, compare_with_reference
+from ._support import OptimizerContainer, Scenarios, _value_problem, compare_with_reference
 
 D = 6
 STEPS = 4
@@ -206,7 +206,7 @@ def train(rank, world, make_opts, *, granularity="row", set_to_none=True, max_no
         problems += compare_with_reference(model, ddp.module, tag + " (after the step)")
         if check_state:
             for o, ro in zip(opts, ref_opts):
-                for i, ri in (zip(o.optimizers, ro.optimizers) if isinstance(o, Container)
+                for i, ri in (zip(o.optimizers, ro.optimizers) if isinstance(o, OptimizerContainer)
                               else [(o, ro)]):
                     problems += state_problems(i, ri, model, ddp.module, tag)
         for o in opts + ref_opts:
@@ -234,30 +234,12 @@ def adafactor(params):
     return [torch.optim.Adafactor(params, lr=0.05)]
 
 
-class Container(torch.optim.Optimizer):
-    """torchtitan's OptimizersContainer pattern: an Optimizer over all the
-    parameters whose step steps the optimizers it holds (theirs decide
-    whether they see empty gradients, at their own steps)."""
-
-    def __init__(self, params, optimizers):
-        self.optimizers = optimizers
-        super().__init__(params, {})
-
-    def step(self, closure=None):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none=True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none)
-
-
 def container(params):
     """AdamW over the 2-D weights and SGD over the rest, in a container; the
     state is compared through the optimizers it holds."""
     inner = [*adamw([p for p in params if p.ndim == 2]),
              *sgd([p for p in params if p.ndim != 2])]
-    return [Container(params, inner)]
+    return [OptimizerContainer(params, inner)]
 
 
 ELEMENTWISE = ("Adam", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "Adamax", "Rprop",
