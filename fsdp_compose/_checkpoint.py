@@ -606,18 +606,11 @@ def attach_optimizer(optim) -> None:
     optim.register_load_state_dict_pre_hook(lambda o, sd: optim_state_from_dtensors(o, sd))
     loaded = any(isinstance(v, DTensor) for st in optim.state.values() for v in st.values())
     if loaded:
-        fixed = optim_state_from_dtensors(optim, _raw_state_dict(optim))
+        fixed = optim_state_from_dtensors(optim, _state_dict_unhooked(optim))
         params = [p for grp in optim.param_groups for p in grp["params"]]
         optim.state.clear()
         for pid, st in fixed["state"].items():
             optim.state[params[pid]] = st
-
-
-def _raw_state_dict(optim) -> dict:
-    """``{"state": {index: state}}`` of ``optim`` without its state-dict hooks."""
-    params = [p for grp in optim.param_groups for p in grp["params"]]
-    return {"state": {i: dict(optim.state[p]) for i, p in enumerate(params) if p in optim.state},
-            "param_groups": [{"params": list(range(len(params)))}]}
 
 
 # ------------------------------------------------- get / set state dict
@@ -707,7 +700,9 @@ def _optim_state_dict(model, optim, fqns: dict, full: dict | None) -> dict:
 
 
 def _state_dict_unhooked(optim) -> dict:
-    """``optim.state_dict()`` without our conversion (the full path gathers itself)."""
+    """``optim.state_dict()`` without our conversion (the full path gathers
+    itself; state loaded before the first step is converted from it), its
+    param_groups the optimizer's own sizes."""
     params = [p for grp in optim.param_groups for p in grp["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     groups, at = [], 0

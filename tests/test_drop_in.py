@@ -138,6 +138,24 @@ def _run(rank, world):
     dsd.set_optimizer_state_dict(fresh, fresh_opt, osd if rank == 0 else {}, options=bcast)
     out["broadcast_resume"] = (train(fresh, fresh_opt, range(2, 4), rank, world), ref_losses)
 
+    # optimizer.load_state_dict before the optimizer's first step (two param
+    # groups): the DTensors it holds are converted at that step
+    def two_groups(m):
+        ps = list(m.parameters())
+        return torch.optim.AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 2e-2}], lr=1e-2)
+    torch.manual_seed(0)
+    model = shard_ours(Net())
+    opt = two_groups(model)
+    train(model, opt, range(2), rank, world)
+    msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    want = train(model, opt, range(2, 4), rank, world)
+    torch.manual_seed(1)
+    fresh = shard_ours(Net())
+    fresh_opt = two_groups(fresh)
+    fresh.load_state_dict(msd)
+    fresh_opt.load_state_dict(osd)
+    out["load_before_first_step"] = (train(fresh, fresh_opt, range(2, 4), rank, world), want)
+
     # an optimizer container (torchtitan's OptimizersContainer): checked by what it holds
     torch.manual_seed(0)
     model = shard_ours(Net())
@@ -235,6 +253,13 @@ def test_get_total_norm_is_global(runs, world):
 def test_torch_full_state_dict_broadcast_from_rank0_resumes(runs, world):
     for r in runs[world]:
         got, want = r["broadcast_resume"]
+        assert got == want
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimizer_state_loaded_before_the_first_step(runs, world):
+    for r in runs[world]:
+        got, want = r["load_before_first_step"]
         assert got == want
 
 
