@@ -166,6 +166,7 @@ class _GradLaunch:
     def finish(self) -> None:
         if not self.done:
             out = self.pending.wait()
+            self.pending = None  # (it holds the flat gradient: it goes now)
             if self.bucket is not None:
                 self.streams.release(self.bucket)
                 self.bucket = None
@@ -185,6 +186,8 @@ def _fold_all(launches: list[_GradLaunch]):
     group; a group that keeps a partial sum (``requires_all_reduce`` False)
     is left out, the others then go one by one."""
     def fold(out: torch.Tensor) -> None:
+        for launch in launches:  # run once: no launch -> fold -> launches cycle outlives it
+            launch.fold_bucket = None  # (a cycle would keep every flat gradient to the next gc)
         first = launches[0]
         if len(launches) == 1 or first.group.replicate_pg is None:
             for launch in launches:
