@@ -70,12 +70,21 @@ backward, the other in a forward); a setting changed between forward and
 backward on one rank only is seen at the next forward's check, or by the
 rule when a reduce-scatter is missing.
 
-On CUDA (NCCL) waits do not block the CPU: the step check's result is copied
-to the host behind an event and compared at the next check (or the one
-after: at most one check is left unread), so the CPU keeps running ahead. A
-rank blocked on the GPU is not seen by the CPU; there NCCL's watchdog
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the process group timeout) ends the
-process, see docs/design.md, "Divergence".
+[Note: step check on CUDA]
+NCCL pairs the n-th collectives of a communicator whatever their kind and
+size, so on CUDA both phases are checked, and a check must be compared
+before its phase issues anything: the phase's first collective could
+otherwise pair an all-gather with another rank's differently sized one
+(a hang, or bytes written where they do not belong). The check's all-reduce
+(on the current stream), a copy of its result to pinned host memory and ONE
+event for every group of the check (HSDP: both) are enqueued at the phase
+start; ``settle`` (before the phase's first collective, as on gloo) polls
+that event, reading the store every ``SLICE`` for a peer's record, then
+compares. The CPU waits until the GPU reached the phase start: twice a step
+the stream drains up to there (measured in docs/design.md, "Divergence").
+A rank blocked on the GPU in a collective is not seen by the CPU; there
+NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the process group
+timeout) ends the process.
 """
 from __future__ import annotations
 
@@ -416,15 +425,15 @@ AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the oth
 class StepChecks:
     """A root's checks over the process groups its units communicate on."""
 
-    def __init__(self, fqn: str, pgs: list, units: list):
+    def __init__(self, fqn: str, pgs: list, units: list, runtime=None):
         self.fqn = fqn
+        self._rt = runtime  # CUDA: the root's stream runtime (see [Note: step check on CUDA])
         # [(process group, its ranks, the device of its tensors)]
         self.pgs = [(pg, tuple(dist.get_process_group_ranks(pg)), device)
                     for pg, device in pgs]
         self.pg_keys = [_pg_key(pg, ranks) for pg, ranks, _ in self.pgs]
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
-        self._unread: list = []  # CUDA: (event, host tensor, check) not compared yet
         self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
         self._opt_base = optimizer_steps  # optimizer steps before this root existed
         self._opt_seen = 0  # ... and since, at the last check
@@ -468,12 +477,21 @@ class StepChecks:
         vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK,
                _roots_made + 1, -dist.get_rank()]
         with label("step_check", self.fqn):
-            self._issue(vec, lambda: [f"{len(layout)} units"] + layout, wait_all=True)
+            self._issue(vec, lambda: [f"{len(layout)} units"] + layout)
         made, low = self._agreed[0], self._agreed[1]
         if len(self.pgs) > 1:  # (HSDP) over the shard group, what its members saw elsewhere
             pg, _, device = self.pgs[0]
-            t = torch.tensor([made, low], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            t = torch.tensor([made, low], dtype=torch.int64)
+            if device.type == "cuda":
+                rt = self._runtime(device)
+                t, host = rt.to_device(t, device), rt.host_empty(2, torch.int64, pin=True)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+                rt.device_to_host(host, t)
+                with rt.intended_sync("lazy init: the root's name"):
+                    rt.current_stream().record_event().synchronize()
+                t = host
+            else:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
             made, low = t.tolist()
         _roots_made = max(_roots_made, made)
         self.prefix = f"fsdp_compose/root/{made}/{-low}"
@@ -509,7 +527,7 @@ class StepChecks:
             return  # see [Note: one check per step]
         self.issued += 1
         with label("step_check", self.fqn):
-            self._issue(vec, lines, defer=self.gloo)
+            self._issue(vec, lines, defer=True)
 
     def _post_waiting(self, vec: list[int], lines):
         """``stuck()`` for the wait of a step check: after its first slice,
@@ -655,37 +673,41 @@ class StepChecks:
             "'When ranks diverge').", exc=DivergenceError)
 
     # ----------------------------------------------------------------------
-    def _issue(self, vec: list[int], lines, wait_all: bool = False,
-               defer: bool = False) -> None:
-        """All-reduce ``vec`` over each group; gloo: wait for all of them, then
-        compare (every rank sees every mismatch of its groups), at once or
-        (``defer``) at ``settle``; CUDA: see the Note."""
+    def _issue(self, vec: list[int], lines, defer: bool = False) -> None:
+        """All-reduce ``vec`` over each group, then compare (every rank sees
+        every mismatch of its groups): at once, or (``defer``) at ``settle``,
+        before the phase's first collective. gloo: async works waited in
+        slices; CUDA: see [Note: step check on CUDA]."""
         n = len(vec)
-        issued = []
+        issued, unread, rt = [], [], None
         for i, (pg, ranks, device) in enumerate(self.pgs):
             count = self._counts[i]
             self._counts[i] = count + 1
             check = (vec, lines, ranks, f"{self.pg_keys[i]}/{count}")
             t = torch.tensor(vec + [-v for v in vec], dtype=torch.int64)
-            if device.type == "cuda":  # see the Note: read at a later check
-                t = t.pin_memory().to(device, non_blocking=True)  # (pageable: a stream sync)
+            if device.type == "cuda":
+                rt = rt or self._runtime(device)
+                t = rt.to_device(t, device)  # (from pinned memory: no sync)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)  # on the current stream
-                host = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                self._unread.append((event, host, check))
+                host = rt.host_empty(2 * n, torch.int64, pin=True)
+                rt.device_to_host(host, t)
+                unread.append((host, check))
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
                            t, check))
-        if defer and issued and not self._unread:  # see settle
+        arrived = (rt, rt.current_stream().record_event()) if unread else None
+        if defer:  # see settle
             global _unsettled
-            self._pending = (issued, vec, lines)
+            self._pending = (issued, unread, arrived, vec, lines)
             _unsettled = self._ref
             return
-        self._finish(issued, vec, lines)
-        if self._unread:
-            self._read(keep=0 if wait_all else 1)
+        self._finish(issued, unread, arrived, vec, lines)
+
+    def _runtime(self, device: torch.device):
+        if self._rt is None:
+            from ._streams import default_runtime  # (_streams imports this module)
+            self._rt = default_runtime(device)
+        return self._rt
 
     def settle(self) -> None:
         """Wait for the step check issued at the phase's start and compare:
@@ -697,39 +719,43 @@ class StepChecks:
         if pending is not None:
             self._finish(*pending)
 
-    def _finish(self, issued: list, vec: list[int], lines) -> None:
-        stuck, take_back = self._post_waiting(vec, lines) if vec[0] != LAZY_INIT \
-            else (None, None)
-        for work, _, _ in issued:
-            try:
-                wait(work, stuck=stuck)
-            except CollectiveStopped as e:
-                raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}", e) \
-                    from e
-        if take_back is not None:
-            take_back()
-        self._compare([(t.tolist(), check) for _, t, check in issued])
+    def _finish(self, issued: list, unread: list, arrived, vec: list[int], lines) -> None:
+        results = []
+        if issued:
+            stuck, take_back = self._post_waiting(vec, lines) if vec[0] != LAZY_INIT \
+                else (None, None)
+            for work, _, _ in issued:
+                try:
+                    wait(work, stuck=stuck)
+                except CollectiveStopped as e:
+                    raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}", e) \
+                        from e
+            if take_back is not None:
+                take_back()
+            results = [(t.tolist(), check) for _, t, check in issued]
+        if unread:
+            self._wait_event(*arrived, vec)
+            results += [(host.tolist(), check) for host, check in unread]
+        self._compare(results)
 
-    def _read(self, keep: int) -> None:
-        """Compare the CUDA checks whose results arrived; wait (in slices, reading
-        the store) until at most ``keep`` are left unread."""
-        while self._unread:
-            event, host, check = self._unread[0]
-            if not event.query():
-                if len(self._unread) <= keep:
-                    return
-                t0 = time.monotonic()
-                while not event.query():
-                    time.sleep(0.0005)
-                    if time.monotonic() - t0 > SLICE.total_seconds():
-                        record = peer_record()
-                        if record is not None:
-                            raise collective_error(
-                                self.fqn, f"the step check at {PHASES[check[0][0]]}",
-                                CollectiveStopped(record))
-                        t0 = time.monotonic()
-            self._unread.pop(0)
-            self._compare([(host.tolist(), check)])
+    def _wait_event(self, rt, event, vec: list[int]) -> None:
+        """Until ``event`` (recorded after the check's copies to the host) has
+        completed: polled, reading the store every slice for a peer's record
+        (a rank blocked on the GPU cannot answer), then synchronised (it is
+        done: this orders the host's read after the copies)."""
+        t0 = slice_end = time.monotonic()
+        while not event.query():
+            now = time.monotonic()
+            if now - t0 > 0.05:  # (spin at first: the GPU is usually a few ms behind)
+                time.sleep(0.001)
+            if now > slice_end + SLICE.total_seconds():
+                slice_end = now
+                record = peer_record()
+                if record is not None:
+                    raise collective_error(self.fqn, f"the step check at {PHASES[vec[0]]}",
+                                           CollectiveStopped(record))
+        with rt.intended_sync("the step check, compared before its phase's first collective"):
+            event.synchronize()
 
     def _compare(self, results: list) -> None:
         """``results``: [(all-reduced [max, -min], check)] of one check over

@@ -324,7 +324,7 @@ def lazy_init_root(unit: Unit) -> None:
         for m in unit.modules:  # (removed with the unit's other hooks)
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
-        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units))
+        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units, ctx.streams.runtime))
         ctx.checks.lazy_init(_layout_lines(units) + [
             f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if ctx.checks.enabled else 'off'}"])
     # world size 1: plain PyTorch's forward and backward for the passive units

@@ -191,6 +191,11 @@ class StreamManager:
         self._post_reduces: list = []   # CUDA: (event, tensors) waited at the end of backward
         self._reads: list = []          # CUDA: (device tensor, fn(values)) after the sync
 
+    @property
+    def runtime(self):
+        """The stream runtime (None: gloo on CPU, waits block the CPU)."""
+        return self._rt
+
     def _on(self, stream, issue, then=None, post=None, after=None):
         """Run ``issue()`` (returns a work) on ``stream``, then ``then(result)``
         on the same stream, see [Note: side streams]. ``post``: the tensors

@@ -460,3 +460,69 @@ def test_ranks_leave_a_step_at_different_points():
     outcomes = _outcomes("ranks_leave_apart", 2)
     _assert_every_rank_raised(outcomes, "left its last step half-done",
                               "at different collectives")
+
+
+# ------------------------------------------ the step check's CUDA protocol
+def _cuda_protocol(rank: int, world: int, diverge: bool, hsdp: bool):
+    """StepChecks on groups whose tensors are on CUDA, this CPU standing in:
+    the check's device tensors stay on the CPU (gloo carries them) and its
+    stream and event are the recording double's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks._fake_cuda import StreamDouble
+    from fsdp_compose import _divergence as dv
+
+    class OnThisCpu(StreamDouble):
+        def to_device(self, t, device):
+            return t.clone()
+
+    rt = OnThisCpu()
+    cuda = torch.device("cuda")
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        pgs = [(mesh.get_group("shard"), cuda), (mesh.get_group("replicate"), cuda)]
+    else:
+        pgs = [(dist.group.WORLD, cuda)]
+    checks = dv.StepChecks("", pgs, [], rt)
+    checks.lazy_init(["one unit"])
+    rt.log.clear()
+    phase = dv.BACKWARD if diverge and rank == 1 else dv.FORWARD
+    checks.before(phase, (1,), lambda: [])
+    issued = list(rt.log)
+    try:
+        dv.next_op(pgs[0][0])  # the phase's first collective is about to be issued
+        outcome = "went on"
+    except dv.DivergenceError as e:
+        outcome = "raised: " + str(e).splitlines()[0][:120]
+    return {"issued": issued, "after": rt.log[len(issued):], "outcome": outcome}
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("diverge", [False, True], ids=["in-step", "diverged"])
+def test_cuda_step_check_is_compared_before_the_phase_issues_anything(diverge, hsdp):
+    """Issue 25, finding 5. On CUDA the check is enqueued at the phase start
+    (all-reduce, copy to pinned host memory, one event for all of the check's
+    groups) and compared when the phase's first collective is about to be
+    issued: a rank in a backward and one in a forward raise there, not one
+    check later with the phase's collectives already paired wrongly on the
+    GPU. With HSDP the two groups' results are read behind one event: one
+    host synchronisation per check (was one per group)."""
+    world = 4 if hsdp else 2
+    outcomes = run_distributed_outcomes(_cuda_protocol, world, diverge, hsdp, timeout=LIMIT)
+    # rank 1 diverges; with HSDP (2, 2) rank 2 shares no group with it
+    # (shard groups {0, 1} {2, 3}, replicate groups {0, 2} {1, 3}): it sees
+    # two matching checks and goes on (its next wait reads the stop records)
+    for r, o in enumerate(outcomes):
+        assert o.kind == "ok", o
+        res = o.value
+        kinds = [e[0] for e in res["issued"]]
+        groups = 2 if hsdp else 1
+        # per group a copy to pinned host memory, then ONE event after all of them
+        assert kinds == ["d2h"] * groups + ["record"], res["issued"]
+        assert all(e[2] for e in res["issued"][:groups]), "the host buffer is pinned"
+        assert res["after"] == [("sync", "compute", res["issued"][-1][2])], res["after"]
+        if diverge and r != 2:
+            assert res["outcome"].startswith("raised:") and "diverged" in res["outcome"], res
+        else:
+            assert res["outcome"] == "went on", res
