@@ -191,21 +191,39 @@ class Gpu:
         return {"max_memory_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
                 "max_memory_reserved_mib": torch.cuda.max_memory_reserved() / 2**20}
 
-    def count_syncs(self, fn) -> tuple[int, str]:
-        """Host synchronisations while ``fn()`` runs, and how they were counted."""
+    def count_syncs(self, fn) -> tuple[int, str, list]:
+        """Host synchronisations while ``fn()`` runs, how they were counted,
+        and where each came from (the innermost frame of a library or of
+        this script, as ``file:line function``)."""
+        import traceback
         import warnings
 
         import torch
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
+        sites, armed = [], []
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            # (not before fn(): switching the mode on warns once per process,
+            # which counted as a sync of the part's first run)
+            if "synchroniz" not in str(message) or not armed:
+                return
+            ours = [f for f in traceback.extract_stack()[:-1]
+                    if any(k in f.filename for k in ("fsdp_compose", "benchmarks",
+                                                     "_fully_shard", "torch/optim"))]
+            f = ours[-1] if ours else None
+            sites.append(f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno} {f.name}" if f
+                         else f"{filename}:{lineno}")
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = show
             torch.cuda.set_sync_debug_mode("warn")
+            armed.append(True)
             try:
                 fn()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        n = sum("synchroniz" in str(w.message) for w in caught)
-        return n, "torch.cuda.set_sync_debug_mode('warn') warnings"
+        return len(sites), "torch.cuda.set_sync_debug_mode('warn') warnings", sites
 
     def activities(self):
         from torch.profiler import ProfilerActivity
@@ -289,10 +307,11 @@ class DryRun:
     def _syncs(self) -> int:
         return sum(1 for d in self.doubles for e in d.log if e[0] == "sync")
 
-    def count_syncs(self, fn) -> tuple[int, str]:
+    def count_syncs(self, fn) -> tuple[int, str, list]:
         before = self._syncs()
         fn()
-        return self._syncs() - before, "event.synchronize() calls on the stream double (dry run)"
+        return (self._syncs() - before,
+                "event.synchronize() calls on the stream double (dry run)", [])
 
     def activities(self):
         from torch.profiler import ProfilerActivity
@@ -597,8 +616,9 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
         ms = timer.ms()
         row = {"step_ms": _median(ms), "step_ms_each": ms,
                "tokens_per_s": batch * seq / (_median(ms) / 1e3), **mach.memory()}
-        syncs, how = mach.count_syncs(lambda: runner.step(*next(it)))
+        syncs, how, sites = mach.count_syncs(lambda: runner.step(*next(it)))
         row["host_syncs_per_step"], row["host_syncs_counted_by"] = syncs, how
+        row["host_sync_sites"] = sites
         with profile(activities=[mach.activities()[0]]) as prof:  # CPU only: the hooks
             for _ in range(2):
                 runner.step(*next(it))

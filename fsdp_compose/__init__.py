@@ -17,7 +17,7 @@ from ._load_checkpoint import CheckpointLoadError, load_checkpoint
 from ._materialize import materialize
 from ._drop_in import use_as_fsdp2
 from .clip import clip_grad_norm_
-from ._torch_hooks import declare_optimizer
+from ._torch_hooks import declare_optimizer, install_torch_hooks
 
 __all__ = [
     "fully_shard",
@@ -26,6 +26,7 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "declare_optimizer",
+    "install_torch_hooks",
     "param_info",
     "register_fsdp_forward_method",
     "ParamInfo",

@@ -1,17 +1,14 @@
-"""The backward's collectives of a root: the gather order, the reduce order,
-each reduce-scatter's slot in the one sequence of both, reduce buckets, and
-the reduce-scatters in flight.
+"""The backward's collectives of a root: the reduce-scatters issued in the one
+sequence of the backward's plan (``_backward_plan.BackwardPlan``), reduce
+buckets, and the reduce-scatters in flight.
 
-``BackwardSchedule`` is the backward part of ``RootContext`` (_state.py
-holds the step lifecycle and sets every attribute: its ``_final_callback``
-finishes the sequence, ``reset`` clears it; _forward_walk.py
-records the forward the orders derive from). It is a mixin: it writes
-``_gather_order``, ``_gather_pos``, ``_gather_next``, ``_order``, ``_next``,
-``_slots``, ``_gets_grad``, ``_ready``, ``_launched``, ``_in_flight``,
-``_bucket``, ``_bucket_bytes`` and ``_following``; it reads the forward's
-record (``_step_order``, ``_in_orders``, ``_first_pre``, ``_last_post``,
-``_regions``), ``_pending``, ``accumulated``, ``units``, ``settings``,
-``streams``, ``communicates`` and ``in_nested_backward()``.
+``BackwardSchedule`` is a part of ``RootContext`` (its field ``backward``):
+it owns where the running backward stands in its plan (the next all-gather
+and reduce-scatter to issue, the units ready, launched, in flight, the open
+bucket) and the units an earlier backward left unreduced (``pending``). It
+builds the plan from the root's ``StepRecord`` at the backward's first need
+and drops it at ``reset``. Every all-gather and free is still the root's
+decision (``RootContext.gather`` / ``reshard``).
 
 [Note: collective order]
 Collectives on one process group must be issued in the same order on every
@@ -86,32 +83,52 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _compat
+from ._backward_plan import BackwardPlan, build_plan
 from ._common import Gather, Reshard, label, trace
 from ._grad_path import launch_bucket
 
 if TYPE_CHECKING:
+    from ._state import RootContext
     from ._unit import Unit
 
 
 class BackwardSchedule:
-    """The backward gather order and reduce-scatter schedule of ``RootContext``."""
+    """The backward running now, against its plan (see the module docstring)."""
 
-    def reduce_order(self) -> list[Unit]:
-        if self._order is None:
-            order = [u for u in reversed(self._step_order) if u in self._in_orders]
-            self._order = order + [u for u in self._pending
-                                   if u not in self._in_orders and u.completes_reduction()]
-        return self._order
+    def __init__(self, ctx: "RootContext"):
+        self.ctx = ctx
+        # units in the reduce order of a backward that did not finish their
+        # reduction (Unit.completes_reduction), not finished since: every rank
+        # alike (see [Note: collective order])
+        self.pending: dict[Unit, None] = {}
+        self.accumulated = False  # a flat gradient arrived in this backward
+        self.in_flight: list = []  # the reduce-scatter launches not finished
+        self._clear()
 
-    def _prefetch_stop(self, unit: Unit, prefetch: bool = True) -> int:
-        pos = self._gather_positions()
-        stop = pos[unit]
-        if not prefetch:
-            return stop
-        stop += self.settings.prefetch_depth
-        if unit.backward_prefetch is not None:
-            stop = max([pos[unit]] + [pos[v] for v in unit.backward_prefetch if v in pos])
-        return min(stop, len(pos) - 1)
+    def _clear(self) -> None:
+        self._plan: BackwardPlan | None = None
+        self._gather_next = 0      # next index of the gather order to all-gather
+        self._next = 0             # next index of the reduce order to reduce-scatter
+        self._gets_grad: dict | None = None  # will the engine give it one
+        self._ready: set = set()
+        self._launched: set = set()
+        self._bucket: list = []    # units waiting to be reduced as one bucket
+        self._bucket_bytes = 0     # ... and their flat gradients' size
+
+    @property
+    def plan(self) -> BackwardPlan:
+        """This backward's plan, made from the step's record at its first need."""
+        if self._plan is None:
+            ctx = self.ctx
+            self._plan = build_plan(
+                ctx.record, self.pending, prefetch_depth=ctx.settings.prefetch_depth,
+                backward_prefetch=lambda u: u.backward_prefetch,
+                completes=lambda u: u.completes_reduction(), reduces=_reduces,
+                grad_bytes=_grad_bytes, bucket_bytes=ctx.settings.bucket_bytes)
+        return self._plan
+
+    def reduce_order(self) -> tuple:
+        return self.plan.reduce_order
 
     def grads_computed(self, unit: Unit, group) -> None:
         """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
@@ -150,68 +167,34 @@ class BackwardSchedule:
         and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
         gloo").
         """
-        self.reshard(unit, Reshard.GRADS_COMPUTED, group=group)
-        if unit in self._in_orders:
-            self._gather_up_to(self._prefetch_stop(unit))
+        ctx = self.ctx
+        ctx.reshard(unit, Reshard.GRADS_COMPUTED, group=group)
+        if unit in ctx.record.in_orders:
+            self.gather_up_to(self.plan.stop(unit))
         self.finish_in_flight()
 
-    def _gather_positions(self) -> dict[Unit, int]:
-        if self._gather_order is None:
-            self._gather_order = list(reversed(self._in_orders))
-            self._gather_pos = {u: i for i, u in enumerate(self._gather_order)}
-        return self._gather_pos
-
-    def _gather_up_to(self, stop: int, final: bool = False) -> None:
+    def gather_up_to(self, stop: int, final: bool = False) -> None:
         """Issue the gather order up to index ``stop``, each all-gather after
         the reduce-scatters slotted before it (see [Note: one order across
         communicators])."""
+        order = self.plan.gather_order
         while self._gather_next <= stop:
             self._issue_reductions(demand=True, final=final)
             self._gather_next += 1
-            self.gather(self._gather_order[self._gather_next - 1], Gather.IN_ORDER)
+            self.ctx.gather(order[self._gather_next - 1], Gather.IN_ORDER)
         self._issue_reductions(final=final)
-
-    def _reduces(self, unit: Unit) -> bool:
-        return bool(unit.trainable) and unit.requires_gradient_sync
-
-    def _slot_of(self) -> list[int]:
-        """[i]: the gather index after which the i-th unit of the reduce order
-        may reduce-scatter (see the Note); once per backward."""
-        if self._slots is None:
-            gather, pos = self._gather_order, self._gather_positions()
-            region_end: dict = {}
-            for u, regions in self._regions.items():
-                for r in regions:
-                    if u in pos:
-                        region_end[r] = max(region_end.get(r, -1), pos[u])
-            reach, best = [], -1  # reach[g]: the furthest index gather[:g + 1] prefetch
-            for u in gather:
-                best = max(best, self._prefetch_stop(u))
-                reach.append(best)
-            slots, ended, floor = [], 0, 0
-            for u in self.reduce_order():  # first pre-forward, latest first
-                if u not in self._first_pre:  # pending from an earlier backward: last
-                    floor = max(floor, len(gather) - 1)
-                    slots.append(floor)
-                    continue
-                while ended < len(gather) and self._last_post[gather[ended]] > self._first_pre[u]:
-                    ended += 1  # gather[:ended]: forwards that ended after u's began
-                last = max([ended - 1] + [region_end[r] for r in self._regions.get(u, ())])
-                floor = max(floor, reach[last])
-                slots.append(floor)
-            self._slots = slots
-        return self._slots
 
     def _no_gradient_here(self, unit: Unit) -> bool:
         """At a demand past ``unit``'s slot: no gradient will come for it on this
         rank (see the Note), and this backward reduces gradients at all (not
         ``autograd.grad(loss, inputs)``). Asked of the engine, once per backward."""
-        if self.in_nested_backward():
+        if self.ctx.in_nested_backward():
             return False  # the engine would answer for the nested backward
         if self._gets_grad is None:
+            plan = self.plan
             self._gets_grad = {u: any(_compat.will_execute(g.split_node.next_functions[0][0])
                                       for g in u.trainable if g.split_node is not None)
-                               for u in self.reduce_order() if self._reduces(u)}
+                               for u, does in zip(plan.reduce_order, plan.reduces) if does}
         return any(self._gets_grad.values()) and not self._gets_grad.get(unit, False)
 
     def reduce(self, unit: Unit) -> None:
@@ -220,7 +203,7 @@ class BackwardSchedule:
         Note), or at once outside the order."""
         if not unit.requires_gradient_sync:
             return  # flat.grad stays and accumulates; the next synced backward reduces it
-        if unit in self._launched or unit not in self._in_orders:
+        if unit in self._launched or unit not in self.ctx.record.in_orders:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
             # or a unit outside the backward order (reentrant recomputation): now
             self._launch(unit)
@@ -235,48 +218,30 @@ class BackwardSchedule:
         first, zero-filled where no gradient comes) and ``final`` (all of them)."""
         if final and not self.accumulated:
             return  # e.g. autograd.grad(loss, inputs): p.grad untouched
-        order, slots = self.reduce_order(), self._slot_of()
+        plan = self.plan
+        order = plan.reduce_order
+        bucketed = self.ctx.settings.bucket_bytes > 0 and self.ctx.communicates
         while self._next < len(order):
-            unit = order[self._next]
-            if not self._reduces(unit):
+            i, unit = self._next, order[self._next]
+            if not plan.reduces[i]:
                 self._next += 1  # nothing to reduce (frozen, or accumulating)
                 continue
-            if slots[self._next] >= self._gather_next:
+            if plan.slots[i] >= self._gather_next:
                 break  # its slot's all-gather is not issued yet
             if unit not in self._ready and not final:
                 if not (demand and self._no_gradient_here(unit)):
                     break  # (a demand that cannot wait for it issues its all-gather anyway)
             self._next += 1
-            if self.settings.bucket_bytes <= 0 or not self.communicates:
+            if not bucketed:
                 self._launch(unit)
                 continue
-            # A bucket ends before the next unit to reduce would take it past
-            # the byte limit (a larger unit goes alone), or at the last unit to
-            # reduce: a function of the reduce order and the sizes only (never
-            # of timing), so every rank buckets alike.
-            self._bucket.append(unit)
-            self._bucket_bytes += _grad_bytes(unit)
-            following = self._next_reduced_bytes()[self._next]
-            if following is None or self._bucket_bytes + following > self.settings.bucket_bytes:
+            self._bucket.append(unit)  # (the plan's bucket_ends: see _backward_plan.py)
+            if plan.bucket_ends[i]:
                 self._launch_bucket()
 
-    def _next_reduced_bytes(self) -> list:
-        """[i]: flat-gradient bytes of the first unit at index >= i of the reduce
-        order that has something to reduce (None: no such unit); once per backward."""
-        if self._following is None:
-            order = self.reduce_order()
-            out, following = [None] * (len(order) + 1), None
-            for i in range(len(order) - 1, -1, -1):
-                u = order[i]
-                if u.trainable and u.requires_gradient_sync:
-                    following = _grad_bytes(u)
-                out[i] = following
-            self._following = out
-        return self._following
-
     def _launch_bucket(self) -> None:
-        units, self._bucket, self._bucket_bytes = self._bucket, [], 0
-        self._drain()
+        units, self._bucket = self._bucket, []
+        self.drain()
         by_key: dict[tuple, list] = {}
         for u in units:
             self._launched.add(u)
@@ -285,19 +250,19 @@ class BackwardSchedule:
             for g in u.trainable:
                 by_key.setdefault(g.bucket_key(), []).append(g)
         with label("reduce_scatter", units[-1].fqn):
-            self._in_flight = [launch for groups in by_key.values()
-                               for launch in launch_bucket(groups, self.streams)]
+            self.in_flight = [launch for groups in by_key.values()
+                              for launch in launch_bucket(groups, self.ctx.streams)]
         self._maybe_wait()
 
     def _launch(self, unit: Unit) -> None:
-        self._drain()  # also folds an earlier part of this unit's gradient first
+        self.drain()  # also folds an earlier part of this unit's gradient first
         self._launched.add(unit)
-        self._in_flight = unit.launch_reduce_scatters(self.streams)
+        self.in_flight = unit.launch_reduce_scatters(self.ctx.streams)
         self._maybe_wait()
 
     def _maybe_wait(self) -> None:
-        if not self.settings.overlap_reduce_scatter:
-            self._drain()  # memory over speed: no flat gradient outlives its unit's backward
+        if not self.ctx.settings.overlap_reduce_scatter:
+            self.drain()  # memory over speed: no flat gradient outlives its unit's backward
 
     def finish_in_flight(self) -> None:
         """Wait for the reduce-scatters in flight now: see [Note: gloo backward].
@@ -307,17 +272,46 @@ class BackwardSchedule:
         moment of this rank's own graph, it could block while a replica waits
         for an all-gather of this rank's shard group (a cycle across the groups
         when units run on some ranks only)."""
-        for launch in self._in_flight:
+        for launch in self.in_flight:
             if launch.group.replicate_pg is None:
                 launch.finish()
             else:  # keep the output only: the flat gradient goes now, as it would
-                launch.pending = self.streams.ready(launch.pending.wait())
-        self._in_flight = [launch for launch in self._in_flight if not launch.done]
+                launch.pending = self.ctx.streams.ready(launch.pending.wait())
+        self.in_flight = [launch for launch in self.in_flight if not launch.done]
 
-    def _drain(self) -> None:
-        for launch in self._in_flight:
+    def drain(self) -> None:
+        for launch in self.in_flight:
             launch.finish()
-        self._in_flight = []
+        self.in_flight = []
+
+
+    def abandon(self) -> None:
+        """The backward is abandoned (an exception left it half-done): what
+        it had in flight is dropped unread, and the pending units' gradients
+        with it (``RootContext.reset`` drops them)."""
+        for launch in self.in_flight:
+            launch.used.release()  # (the compute stream waits its used-flags' all-reduce)
+        self.ctx.streams.abort()  # (and every post-reduce: see StreamManager.abort)
+        self.in_flight = []  # (only now: their buffers go back to the allocator)
+        self.pending.clear()
+
+    def end(self) -> None:
+        """The backward ended: its plan and where it stood go."""
+        self.accumulated = False
+        self._clear()
+
+    def note_unfinished(self) -> None:
+        """The final callback of a backward that accumulated gradients: the
+        units of its reduce order whose reduction did not finish stay pending."""
+        for u in self.plan.reduce_order:
+            if u.trainable and not u.completes_reduction():
+                self.pending[u] = None
+            else:
+                self.pending.pop(u, None)
+
+
+def _reduces(unit: Unit) -> bool:
+    return bool(unit.trainable) and unit.requires_gradient_sync
 
 
 def _grad_bytes(unit: Unit) -> int:

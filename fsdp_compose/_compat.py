@@ -208,8 +208,9 @@ def outside_functorch(fn: Callable) -> Callable:
     return run
 
 
-def guard_torch_clip_helper(check: Callable[[Any], None]) -> None:
-    """Make torch's own ``clip_grad_norm_`` call ``check(parameters)`` before clipping.
+def guard_torch_clip_helper(check: Callable[[Any], None]) -> Callable[[], None] | None:
+    """Make torch's own ``clip_grad_norm_`` call ``check(parameters)`` before
+    clipping; returns what undoes it (None: nothing was done).
 
     Why private: ``torch.nn.utils.clip_grad_norm_`` computes a rank-local norm
     on sharded parameters (see [Note: torch.nn.utils.clip_grad_norm_] in
@@ -224,7 +225,7 @@ def guard_torch_clip_helper(check: Callable[[Any], None]) -> None:
 
     helper = getattr(clip_grad, "_clip_grads_with_norm_", None)
     if helper is None or getattr(helper, "_fsdp_compose_guard", False):
-        return
+        return None
 
     def guarded(parameters, max_norm, total_norm, foreach=None):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -233,6 +234,10 @@ def guard_torch_clip_helper(check: Callable[[Any], None]) -> None:
 
     guarded._fsdp_compose_guard = True
     clip_grad._clip_grads_with_norm_ = guarded
+
+    def undo():
+        clip_grad._clip_grads_with_norm_ = helper
+    return undo
 
 
 def crc_checked_reader(path) -> Any:

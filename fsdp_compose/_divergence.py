@@ -705,8 +705,8 @@ class StepChecks:
 
     def _runtime(self, device: torch.device):
         if self._rt is None:
-            from ._streams import default_runtime  # (_streams imports this module)
-            self._rt = default_runtime(device)
+            raise RuntimeError(f"fsdp_compose: the step check of '{self.fqn or '<root>'}' has a "
+                               f"group on {device} but no stream runtime (a bug: please report)")
         return self._rt
 
     def settle(self) -> None:

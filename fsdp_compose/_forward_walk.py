@@ -4,17 +4,13 @@ where a unit runs on some ranks only; the forward's all-gathers ahead of use
 (prefetch, gather buckets) along the last training step's order; and the
 step's record of the forward that the backward orders derive from.
 
-``ForwardWalk`` is the forward part of ``RootContext`` (_state.py holds the
-step lifecycle and sets every attribute, _backward_schedule.py the backward's
-collectives). It is a mixin: it writes ``_walk``, ``_orders`` (the learned
-orders, one ``_Learned`` per kind of root forward), ``_order_pgs``, ``_clock``
-and the forward's record (``_step_order``, ``_first_pre``, ``_grad_follows``,
-``_in_orders``, ``_last_post``, ``_regions``); it reads ``root``, ``units``,
-``_unit_index``, ``settings``, ``streams``, ``communicates``,
-``in_training_forward``, ``last_step_order``, ``_callback_queued`` and, for a
-gather bucket in backward, ``_gather_positions`` / ``_gather_order`` of
-``BackwardSchedule``. ``RootContext.root_pre_forward`` starts each root
-forward's ``_Walk``.
+``ForwardTracker`` is a part of ``RootContext`` (its field ``forward_order``):
+it owns the learned orders (one ``_Learned`` per kind of root forward), the
+walk of the root forward running now (``_Walk``), and the groups the
+agreement all-reduces in; it writes what it follows into the root's
+``StepRecord``, and asks the root for every all-gather and free of a unit it
+catches up (``RootContext.gather`` / ``reshard``). Forward prefetch and
+gather buckets are the root's (``RootContext.prefetch_forward``).
 
 [Note: forward order]
 Forward all-gathers are issued at pre-forward hooks, so a unit whose forward
@@ -65,10 +61,10 @@ import torch
 
 from . import _compat
 from ._common import Gather, Reshard, label, trace, unit_error
-from ._flat_group import gather_bucket
 from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
 
 if TYPE_CHECKING:
+    from ._state import RootContext
     from ._unit import Unit
 
 
@@ -98,18 +94,42 @@ class LastStepOrder:
         return f"LastStepOrder({order})"
 
 
-class ForwardWalk:
-    """The forward order, forward prefetch and gather buckets of ``RootContext``."""
+class ForwardTracker:
+    """The forward orders of one root, followed or agreed on (see the Note)."""
+
+    def __init__(self, ctx: "RootContext"):
+        self.ctx = ctx
+        self._orders: dict[tuple, _Learned] = {}  # per kind of root forward: (method, training)
+        self.walk: _Walk | None = None              # the root forward now running
+        self._unit_index = {u: i for i, u in enumerate(ctx.units)}
+        self._order_pgs: tuple | None = None        # the groups the agreement all-reduces in
+
+    def start(self, entry: str, training: bool) -> None:
+        """A root forward starts (``entry``: the method run): follow its kind's
+        learned order, or agree on one."""
+        self.walk = None
+        ctx = self.ctx
+        if not ctx.communicates:
+            return
+        learned = self._orders.setdefault((entry, training), _Learned())
+        trained = self._orders.get((entry, True))
+        if not training and trained is not None and not trained.learning():
+            follow = trained  # eval follows the training order: [Note: forward order]
+        else:
+            follow = learned
+        agree = ctx.settings.forward_order_dynamic or follow.learning()
+        self.walk = _Walk(ForwardOrder() if agree else follow.order, agree, ctx.record.clock,
+                          learned)
 
     def record_forward(self, unit: Unit) -> bool:
         """``unit``'s forward starts. Returns whether to all-gather it now
         (False: it was gathered already, at its place in the forward order)."""
-        walk = self._walk
+        walk, record = self.walk, self.ctx.record
         if walk is None:  # no root forward running (an inner unit called alone), or world 1
-            self._record_pre(unit)
+            record.record_pre(unit)
             region = self._region_here()
             if region is not None:
-                self._regions.setdefault(unit, set()).add(region)
+                record.add_region(unit, region)
             return True
         if unit in walk.held:  # gathered at its place in the order: it runs here after all
             del walk.held[unit]
@@ -117,46 +137,30 @@ class ForwardWalk:
             return False
         j = self._agree(walk, True, unit) if walk.agree else self._follow(walk, True, unit)
         walk.running.add(unit)
-        self._clock = walk.base + j
-        self._record_pre(unit)
-        if walk.agree and self.in_training_forward:
+        record.clock = walk.base + j
+        record.record_pre(unit)
+        if walk.agree and self.ctx.in_training_forward:
             walk.seen[j] = self._region_here()
         return True
 
     def _region_here(self):
         """The activation-checkpoint region a unit's forward starts in (see
-        _slot_of): a non-reentrant one's while grad is on, a reentrant one's
-        for a no-grad island of a training forward."""
+        _backward_plan._slots): a non-reentrant one's while grad is on, a
+        reentrant one's for a no-grad island of a training forward."""
         if torch.is_grad_enabled():
             return _compat.checkpoint_region()
-        return _compat.reentrant_checkpoint_region() if self.in_training_forward else None
-
-    def _record_pre(self, unit: Unit) -> None:
-        self._step_order.setdefault(unit, None)
-        self._clock += 1
-        self._first_pre.setdefault(unit, self._clock)
+        return _compat.reentrant_checkpoint_region() if self.ctx.in_training_forward else None
 
     def forward_end(self, unit: Unit, flag: int) -> None:
-        """``unit``'s forward ends (its post-forward, not a recomputation);
-        ``flag``: what follows it (_forward_order.GRAD ...). The order's -u
-        (units skipped here first), the step's record for the backward
-        orders, then the AFTER_FORWARD reshard decision."""
-        walk = self._walk
-        if walk is not None:
-            j = (self._agree(walk, False, unit, flag) if walk.agree
-                 else self._follow(walk, False, unit))
-            walk.running.discard(unit)
-            self._clock = walk.base + j
-            if unit is self.root:
-                self._end_walk(walk)
-        trace("post_forward", unit.fqn, unit.state.name)
-        if flag != NO_BACKWARD:  # (ISLAND: see [Note: collective order])
-            self.expect_backward(unit, island=flag != GRAD)
-        self.reshard(unit, Reshard.AFTER_FORWARD, grad_follows=flag == GRAD)
-        if unit is self.root:
-            self.in_training_forward = False
-            if flag == NO_BACKWARD:  # CUDA offload: no end of backward will sync the copies
-                self.streams.end_eval_forward()
+        """``unit``'s forward ends: the order's -u (units skipped here first)."""
+        walk = self.walk
+        if walk is None:
+            return
+        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
+        walk.running.discard(unit)
+        self.ctx.record.clock = walk.base + j
+        if unit is self.ctx.root:
+            self._end_walk(walk)
 
     # ---------------------------------------------------- the forward order
     def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
@@ -179,17 +183,17 @@ class ForwardWalk:
         """Agree with the other ranks on the next event of the order (see the
         Note); catch up the events agreed before this rank's own. Returns its index."""
         order = walk.order
-        if pre and unit is self.root and not len(order):  # every rank's forward starts so
+        if pre and unit is self.ctx.root and not len(order):  # every rank's forward starts so
             walk.open(0, unit)
             return order.append(True, unit)
-        n = len(self.units)
+        n = len(self.ctx.units)
         want = (self._unit_index[unit] * 4 if pre
                 else (n + _OPEN_MAX - walk.opened[unit]) * 4 + 3 - flag)
         while True:
             got = self._min_across([want])[0]
             q, r = divmod(got, 4)
             if q < n:
-                e_pre, v, e_flag = True, self.units[q], NO_BACKWARD
+                e_pre, v, e_flag = True, self.ctx.units[q], NO_BACKWARD
             else:
                 e_pre, v, e_flag = False, walk.open_at[_OPEN_MAX - (q - n)], 3 - r
             j = order.append(e_pre, v, e_flag)
@@ -210,38 +214,39 @@ class ForwardWalk:
         """Event ``k`` of the order, which this rank skipped: take part in its
         all-gathers (pre) or reshard as its post-forward would (post), and
         record it where it is in the order."""
-        self._clock = walk.base + k
+        ctx, record = self.ctx, self.ctx.record
+        record.clock = walk.base + k
         if pre:
-            self._record_pre(unit)
+            record.record_pre(unit)
             walk.held[unit] = k
             # its all-gathers and forward prefetch, as its pre-forward would
             trace("skipped", unit.fqn, "all-gather")
             unit.sync_requires_grad()  # (whether it reduces must match where it runs)
             with label("skipped", unit.fqn):
-                self.gather(unit, Gather.SKIPPED)
+                ctx.gather(unit, Gather.SKIPPED)
             return
         walk.held.pop(unit, None)
         trace("skipped", unit.fqn, "end")  # ... and the reshard of its post-forward
-        self.reshard(unit, Reshard.AFTER_FORWARD,
-                     grad_follows=flag == GRAD and self.in_training_forward)
-        if self.in_training_forward and flag != NO_BACKWARD:
-            self._enter_orders(unit)  # no gradient here: zero-filled, see [Note:
+        ctx.reshard(unit, Reshard.AFTER_FORWARD,
+                    grad_follows=flag == GRAD and ctx.in_training_forward)
+        if ctx.in_training_forward and flag != NO_BACKWARD:
+            record.enter_orders(unit)  # no gradient here: zero-filled, see [Note:
             # collective order] in _backward_schedule.py
 
     def _end_walk(self, walk: "_Walk") -> None:
         """The root's forward ends: label this forward's checkpoint regions
         from the order, and keep what a training forward agreed on."""
-        self._walk = None
-        order = walk.order
+        self.walk = None
+        order, training = walk.order, self.ctx.in_training_forward
         if walk.agree:
-            if self.in_training_forward:
+            if training:
                 self._label_regions(walk)
-            walk.learned.add(order, self.units)
-        if not self.in_training_forward:
+            walk.learned.add(order, self.ctx.units)
+        if not training:
             return
         for k in range(len(order)):
             if order.pre[k] and order.region[k] >= 0:  # rank-independent keys (see the Note)
-                self._regions.setdefault(order.units[k], set()).add((walk.base, order.region[k]))
+                self.ctx.record.add_region(order.units[k], (walk.base, order.region[k]))
 
     def _label_regions(self, walk: "_Walk") -> None:
         """Label each agreed pre event with its checkpoint region: the same
@@ -274,14 +279,14 @@ class ForwardWalk:
         with (the shard groups, then the replicate groups: HSDP)."""
         if self._order_pgs is None:
             shard, replicate = [], []
-            for u in self.units:
+            for u in self.ctx.units:
                 for g in u.groups:
                     if g.world > 1 and g.pg not in shard:
                         shard.append(g.pg)
                     if g.replicate_pg is not None and g.replicate_pg not in replicate:
                         replicate.append(g.replicate_pg)
             self._order_pgs = (shard, replicate)
-        return self.streams.min_across(values, *self._order_pgs)
+        return self.ctx.streams.min_across(values, *self._order_pgs)
 
     def _departure(self, walk: "_Walk", pre: bool, unit: Unit, blocked: int | None):
         order = walk.order
@@ -300,86 +305,6 @@ class ForwardWalk:
                           f"{order.describe(walk.next)} (next: event {walk.next}; +unit: its "
                           "forward starts, -unit: it ends). Going on would issue all-gathers "
                           "in an order the other ranks do not.", _ORDER_FIX)
-
-    def prefetch_forward(self, unit: Unit) -> None:
-        """Issue the all-gathers of the units expected to run after ``unit``.
-
-        Same on every rank: the order is the last training step's, and which
-        units are sharded is rank-independent. Only inside a training forward
-        of the root: a prefetch an eval forward leaves unconsumed (an inner
-        unit called directly) would be resharded by nothing, and go stale at
-        the next optimizer step; a training step's leftovers are resharded by
-        its final callback or the next step's root forward.
-        """
-        if not self.in_training_forward:
-            return
-        targets = unit.forward_prefetch
-        if targets is None:
-            targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
-        for v in targets:
-            self.gather(v, Gather.PREFETCH)
-
-    def _gather_bucket(self, unit: Unit) -> bool:
-        """All-gather ``unit`` and the units after it in the current order (the
-        last step's forward order in a training forward, the gather order in
-        backward) as one bucket, if all-gather buckets are on and at least two
-        fit. A bucket is a maximal run of consecutive units that are sharded
-        and together write at most the bucket size: a function of the order,
-        the sizes and the sharded states, which every rank shares, so every
-        rank issues the same collectives."""
-        limit = self.settings.gather_bucket_bytes
-        if limit <= 0 or not self.communicates:
-            return False
-        if self._callback_queued:  # in backward
-            pos, order = self._gather_positions(), self._gather_order
-        elif self.in_training_forward:
-            pos, order = self.last_step_order.position, self.last_step_order.execution_order
-        else:
-            return False  # eval: nothing would reshard what a bucket fetched ahead
-        i = pos.get(unit)
-        if i is None:
-            return False
-        units, total = [], 0
-        backward = self._callback_queued
-        for v in order[i:]:
-            nbytes = v.gather_bytes()
-            if nbytes is None or (units and total + nbytes > limit) \
-                    or (backward and not v.unshard_in_backward):
-                break
-            units.append(v)
-            total += nbytes
-        if len(units) < 2:
-            return False
-        by_key: dict[tuple, list] = {}
-        for v in units:
-            trace("all_gather", v.fqn, "bucketed")
-            for g in v.groups:
-                by_key.setdefault(g.gather_key(), []).append(g)
-        with label("all_gather", units[0].fqn):
-            for groups in by_key.values():
-                if len(groups) == 1:  # nothing to merge it with: no bucket copies
-                    groups[0].unshard(self.streams)
-                else:
-                    gather_bucket(groups, self.streams)
-        return True
-
-    def expect_backward(self, unit: Unit, island: bool = False) -> None:
-        """``unit``'s forward ended with a backward to follow, or (``island``)
-        ran without grad inside the training forward."""
-        if not island:
-            self._grad_follows.pop(unit, None)  # keep the order of LAST post-forward
-            self._grad_follows[unit] = None
-        self._enter_orders(unit)
-
-    def _enter_orders(self, unit: Unit) -> None:
-        self._in_orders.pop(unit, None)
-        self._in_orders[unit] = None
-        self._clock += 1
-        self._last_post[unit] = self._clock
-
-    def expects_backward(self, unit: Unit) -> bool:
-        return unit in self._grad_follows
-
 
 LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
 _OPEN_MAX = 1 << 40    # agreement codes of post events (see ForwardWalk._agree)

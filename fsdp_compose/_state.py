@@ -6,22 +6,24 @@ FQN, checks the parameters, and builds the ``RootContext`` all units then
 reference: the recorded forward order, the stream manager, and the backward
 bookkeeping (reduce-scatter order, the final callback).
 
-``RootContext`` here is the step lifecycle (a training root forward starts a
+``RootContext`` is the step lifecycle (a training root forward starts a
 step, the first pre-backward queues the final callback, which ends it; a step
 an exception left half-done is aborted at the next root forward; ``reset``
-ends both), the two decisions every unit event leads to (``gather``: whether
-and how a unit is all-gathered; ``reshard``: whether it frees its parameters
-after an event; see [Note: who decides] in _unit.py), and it sets every
-attribute a step uses. Its concerns are mixins, each in its own file:
+ends both) and the two decisions every unit event leads to (``gather``:
+whether and how a unit is all-gathered, forward prefetch and gather buckets
+included; ``reshard``: whether it frees its parameters after an event; see
+[Note: who decides] in _unit.py). Its parts are fields, each owning its state:
 
-- ``ForwardWalk`` (_forward_walk.py): the forward order, followed or agreed
-  on ([Note: forward order]), forward prefetch and gather buckets,
-  ``LastStepOrder``;
-- ``BackwardSchedule`` (_backward_schedule.py): the gather and reduce
-  orders, slots, reduce-scatters, buckets, drain ([Note: collective order],
-  [Note: one order across communicators]);
-- ``RootStepChecks`` (_step_checks.py): what the divergence step checks
-  compare, and a step left half-done ([Note: divergence]).
+- ``record`` (``_backward_plan.StepRecord``): what this step's forward
+  recorded for the backward orders;
+- ``forward_order`` (``_forward_walk.ForwardTracker``): the forward orders,
+  followed or agreed on ([Note: forward order]);
+- ``backward`` (``_backward_schedule.BackwardSchedule``): the running
+  backward against its ``BackwardPlan`` ([Note: collective order], [Note:
+  one order across communicators]);
+- ``checks`` / ``fingerprint`` (``_divergence.StepChecks``,
+  ``_step_checks.SettingsFingerprint``): [Note: divergence];
+- ``streams`` (``StreamManager``), ``last_step_order`` (``LastStepOrder``).
 """
 from __future__ import annotations
 
@@ -30,78 +32,46 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _compat, _divergence
+from ._backward_plan import StepRecord
 from ._backward_schedule import BackwardSchedule
 from ._common import (META_FIX, Gather, Kept, Reshard, ShardedState,
                       TrainingState, label, root_setting_fix, trace, unit_error)
-from ._forward_order import ForwardOrder
-from ._forward_walk import ForwardWalk, LastStepOrder, _Learned, _Walk
+from ._flat_group import gather_bucket
+from ._forward_order import GRAD, NO_BACKWARD
+from ._forward_walk import ForwardTracker, LastStepOrder
 from ._registry import units_below
-from ._step_checks import RootStepChecks
-from ._streams import StreamManager
+from ._step_checks import SettingsFingerprint, left_half_done
+from ._streams import StreamManager, runtime_for
 from ._unit import Unit
 
 
-class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
+class RootContext:
     def __init__(self, root: Unit, units: list[Unit], device: torch.device,
                  communicates: bool):
         self.root = root
         self.units = units
-        self.last_step_order = LastStepOrder()
+        self.communicates = communicates        # some group has world > 1
         # the model's settings (FSDPModule's root setters; see RootSettings)
         # (on the root unit, so a lazy init again after a cast keeps them)
         self.settings = root.settings_for_root()
         self.streams = StreamManager(device)
-        # per step (from a root forward after a backward, to the next one)
-        self._new_step = True
-        self._step_order: dict[Unit, None] = {}  # units in first-forward order this step
-        self._grad_follows: dict[Unit, None] = {}  # ... whose outputs will see a backward,
-                                                   # in last-post-forward order
-        self._clock = 0                             # forward events this step, and when:
-        self._first_pre: dict[Unit, int] = {}       # ... a unit's first pre-forward
-        self._last_post: dict[Unit, int] = {}       # ... its last post-forward (grad follows)
-        self._regions: dict[Unit, set] = {}         # checkpoint regions its forwards ran in
-        # ... and those that ran as a no-grad island of the training forward
-        # (a reentrant checkpoint recomputes them in backward): the units of
-        # the two backward orders, see [Note: collective order] in
-        # _backward_schedule.py
-        self._in_orders: dict[Unit, None] = {}
-        # per backward
-        self._callback_queued = False
-        self._outer_task = -1                   # graph task of the backward we finish
-        self._gather_order: list[Unit] | None = None  # see that Note
-        self._gather_pos: dict[Unit, int] = {}
-        self._gather_next = 0                   # next index in it to all-gather
-        self._order: list[Unit] | None = None   # the reduce order, see that Note
-        self._next = 0                          # next index in it to reduce-scatter
-        self._slots: list[int] | None = None    # per reduce-order index: its slot (see Note)
-        self._gets_grad: dict[Unit, bool] | None = None  # will the engine give it one
-        self._ready: set[Unit] = set()
-        self._launched: set[Unit] = set()
-        self._in_flight: list = []
-        self._bucket: list[Unit] = []            # units waiting to be reduced as one bucket
-        self._bucket_bytes = 0                   # ... and their flat gradients' size
-        self._following: list | None = None      # see _next_reduced_bytes
-        self.accumulated = False                # a flat gradient arrived in this backward
-        # units in the reduce order of a backward that did not finish their
-        # reduction (Unit.completes_reduction), not finished since: every rank
-        # alike (see that Note)
-        self._pending: dict[Unit, None] = {}
-        self.in_training_forward = False        # inside a grad-enabled forward of the root
-        self.communicates = communicates        # some group has world > 1
+        self.last_step_order = LastStepOrder()
+        self.record = StepRecord()
+        self.forward_order = ForwardTracker(self)
+        self.backward = BackwardSchedule(self)
         # the lazy-init and step checks of [Note: divergence] in _divergence.py
         # (None: nothing communicates; see start_checks)
         self.checks: _divergence.StepChecks | None = None
-        self._settings: tuple = (-1, None)  # (settings_generation, _make_settings())
-        # the forward orders (see [Note: forward order] in _forward_walk.py), per
-        # kind of root forward: (method, training)
-        self._orders: dict[tuple, _Learned] = {}
-        self._walk: _Walk | None = None         # the root forward now running
-        self._unit_index = {u: i for i, u in enumerate(units)}
-        self._order_pgs: tuple | None = None    # the groups the agreement all-reduces in
+        self.fingerprint: SettingsFingerprint | None = None
+        self._new_step = True                   # the next training forward starts a step
+        self.in_training_forward = False        # inside a grad-enabled forward of the root
+        self._callback_queued = False           # a backward runs: its final callback queued
+        self._outer_task = -1                   # graph task of the backward we finish
 
     def start_checks(self, checks: "_divergence.StepChecks") -> None:
         """Lazy init, where some group communicates: [Note: divergence]."""
         self.checks = checks
+        self.fingerprint = SettingsFingerprint(self.settings, self.units, checks)
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self, entry: str = "forward") -> None:
@@ -109,34 +79,42 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             _divergence.raise_if_stopped(self.root.fqn, self.checks)
         if self._callback_queued or any(u.state is not TrainingState.IDLE for u in self.units):
             if self.checks is not None:
-                self._left_half_done()  # raises unless every rank left it alike
+                left_half_done(self.units, self.checks)  # raises unless every rank left it alike
             self.reset(abort=True)  # a previous forward or backward raised before finishing
         if self.checks is not None:
             self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
-                               else _divergence.EVAL_FORWARD, *self._schedule_settings())
+                               else _divergence.EVAL_FORWARD, *self.fingerprint.current())
         self.in_training_forward = torch.is_grad_enabled()
         if self._new_step and torch.is_grad_enabled():  # eval forwards start no step
             self._new_step = False
-            self._step_order.clear()
-            self._grad_follows.clear()
-            self._first_pre.clear()
-            self._last_post.clear()
-            self._regions.clear()
-            self._in_orders.clear()
+            self.record.clear()
             for u in self.units:
                 self.reshard(u, Reshard.NEW_STEP)
                 u.start_step()
-        self._walk = None
-        if self.communicates:
-            learned = self._orders.setdefault((entry, self.in_training_forward), _Learned())
-            trained = self._orders.get((entry, True))
-            if not self.in_training_forward and trained is not None and not trained.learning():
-                follow = trained  # eval follows the training order: [Note: forward order]
-            else:
-                follow = learned
-            agree = self.settings.forward_order_dynamic or follow.learning()
-            self._walk = _Walk(ForwardOrder() if agree else follow.order, agree, self._clock,
-                               learned)
+        self.forward_order.start(entry, self.in_training_forward)
+
+    def record_forward(self, unit: Unit) -> bool:
+        """``unit``'s forward starts: its place in the forward order (see
+        ForwardTracker.record_forward). Returns whether to all-gather it now."""
+        return self.forward_order.record_forward(unit)
+
+    def forward_end(self, unit: Unit, flag: int) -> None:
+        """``unit``'s forward ends (its post-forward, not a recomputation);
+        ``flag``: what follows it (_forward_order.GRAD ...). The order's -u
+        (units skipped here first), the step's record for the backward
+        orders, then the AFTER_FORWARD reshard decision."""
+        self.forward_order.forward_end(unit, flag)
+        trace("post_forward", unit.fqn, unit.state.name)
+        if flag != NO_BACKWARD:  # (ISLAND: see [Note: collective order])
+            self.record.expect_backward(unit, island=flag != GRAD)
+        self.reshard(unit, Reshard.AFTER_FORWARD, grad_follows=flag == GRAD)
+        if unit is self.root:
+            self.in_training_forward = False
+            if flag == NO_BACKWARD:  # CUDA offload: no end of backward will sync the copies
+                self.streams.end_eval_forward()
+
+    def expects_backward(self, unit: Unit) -> bool:
+        return self.record.expects_backward(unit)
 
     # ------------------------------------------------------- the two decisions
     def gather(self, unit: Unit, why: Gather) -> None:
@@ -153,13 +131,13 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         Gathered with the units after it as one bucket where gather buckets
         are on (``_gather_bucket``), else alone (``Unit.unshard``)."""
         if why is Gather.BACKWARD or why is Gather.RECOMPUTE:
-            if unit in self._in_orders:
+            if unit in self.record.in_orders:
                 # On gloo a unit resharded after forward prefetches once its
                 # gradients are computed, see [Note: gloo backward] in
                 # _backward_schedule.py; a unit that kept its parameters (the
                 # root), or whose gradients have no hook (frozen), prefetches now.
                 late = unit.grads_hooked and unit.reshard_after_forward
-                self._gather_up_to(self._prefetch_stop(unit, prefetch=not late))
+                self.backward.gather_up_to(self.backward.plan.stop(unit, prefetch=not late))
         if not unit.unshard_in_backward and why in _NOT_IN_BACKWARD:
             return
         if why is Gather.PREFETCH:
@@ -170,6 +148,69 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
             unit.unshard(self.streams)
         if why is Gather.FORWARD or why is Gather.SKIPPED:
             self.prefetch_forward(unit)
+
+    def prefetch_forward(self, unit: Unit) -> None:
+        """Issue the all-gathers of the units expected to run after ``unit``.
+
+        Same on every rank: the order is the last training step's, and which
+        units are sharded is rank-independent. Only inside a training forward
+        of the root: a prefetch an eval forward leaves unconsumed (an inner
+        unit called directly) would be resharded by nothing, and go stale at
+        the next optimizer step; a training step's leftovers are resharded by
+        its final callback or the next step's root forward.
+        """
+        if not self.in_training_forward:
+            return
+        targets = unit.forward_prefetch
+        if targets is None:
+            targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
+        for v in targets:
+            self.gather(v, Gather.PREFETCH)
+
+    def _gather_bucket(self, unit: Unit) -> bool:
+        """All-gather ``unit`` and the units after it in the current order (the
+        last step's forward order in a training forward, the gather order in
+        backward) as one bucket, if all-gather buckets are on and at least two
+        fit. A bucket is a maximal run of consecutive units that are sharded
+        and together write at most the bucket size: a function of the order,
+        the sizes and the sharded states, which every rank shares, so every
+        rank issues the same collectives."""
+        limit = self.settings.gather_bucket_bytes
+        if limit <= 0 or not self.communicates:
+            return False
+        if self._callback_queued:  # in backward
+            plan = self.backward.plan
+            pos, order = plan.gather_pos, plan.gather_order
+        elif self.in_training_forward:
+            pos, order = self.last_step_order.position, self.last_step_order.execution_order
+        else:
+            return False  # eval: nothing would reshard what a bucket fetched ahead
+        i = pos.get(unit)
+        if i is None:
+            return False
+        units, total = [], 0
+        backward = self._callback_queued
+        for v in order[i:]:
+            nbytes = v.gather_bytes()
+            if nbytes is None or (units and total + nbytes > limit) \
+                    or (backward and not v.unshard_in_backward):
+                break
+            units.append(v)
+            total += nbytes
+        if len(units) < 2:
+            return False
+        by_key: dict[tuple, list] = {}
+        for v in units:
+            trace("all_gather", v.fqn, "bucketed")
+            for g in v.groups:
+                by_key.setdefault(g.gather_key(), []).append(g)
+        with label("all_gather", units[0].fqn):
+            for groups in by_key.values():
+                if len(groups) == 1:  # nothing to merge it with: no bucket copies
+                    groups[0].unshard(self.streams)
+                else:
+                    gather_bucket(groups, self.streams)
+        return True
 
     def reshard(self, unit: Unit, event: Reshard, grad_follows: bool = False,
                 group=None) -> bool:
@@ -219,38 +260,45 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
         """A unit's pre-backward (or, ``grad_arrived``, a flat gradient
         accumulated): the first of a backward queues the final callback."""
         if grad_arrived:
-            self.accumulated = True
+            self.backward.accumulated = True
         if not self._callback_queued:
             if self.checks is not None:
                 _divergence.raise_if_stopped(self.root.fqn, self.checks)
-                self.checks.before(_divergence.BACKWARD, *self._schedule_settings())
+                self.checks.before(_divergence.BACKWARD, *self.fingerprint.current())
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
-            self.last_step_order.set_order(list(self._step_order))
+            self.last_step_order.set_order(list(self.record.step_order))
             _compat.queue_final_callback(self._final_callback)
 
     def in_nested_backward(self) -> bool:
         """Inside a backward that runs within ours (a reentrant checkpoint)."""
         return _compat.graph_task_id() != self._outer_task
 
+    def grads_computed(self, unit: Unit, group) -> None:
+        """``group``'s gradients are computed (gloo): [Note: gloo backward]."""
+        self.backward.grads_computed(unit, group)
+
+    def reduce(self, unit: Unit) -> None:
+        """``unit``'s gradients are all accumulated in this backward."""
+        self.backward.reduce(unit)
+
+    def finish_in_flight(self) -> None:
+        self.backward.finish_in_flight()
+
     @_compat.outside_functorch
     def _final_callback(self) -> None:
+        backward = self.backward
         with label("final_callback", self.root.fqn):
             trace("final_callback", self.root.fqn)
             # All-gathers this rank's graph never asked for (a unit whose
             # backward did not reach it here) may be awaited by another rank:
             # finish the one sequence (see [Note: one order across communicators]),
             # zero-filling what is left.
-            self._gather_up_to(len(self._gather_positions()) - 1, final=True)
-            self._issue_reductions(final=True)
-            if self.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
-                for u in self.reduce_order():
-                    if u.trainable and not u.completes_reduction():
-                        self._pending[u] = None
-                    else:
-                        self._pending.pop(u, None)
+            backward.gather_up_to(len(backward.plan.gather_order) - 1, final=True)
+            if backward.accumulated:  # else e.g. autograd.grad(loss, inputs): p.grad untouched
+                backward.note_unfinished()
             if self.settings.is_last_backward or self.streams.host_work_pending:
-                self._drain()
+                backward.drain()
             # CUDA: the compute stream waits every post-reduce; offload or
             # used-flags to read: the one sync
             self.streams.finish_backward()
@@ -261,33 +309,20 @@ class RootContext(ForwardWalk, BackwardSchedule, RootStepChecks):
 
     def reset(self, abort: bool = False) -> None:
         """End the backward, and the step: every unit's BACKWARD_END reshard
-        decision and ``finish_backward``, then every per-backward field; the one
-        place they are cleared. ``abort``: a step an exception left half-done
-        (see root_pre_forward): first drop what it had in flight and every
-        gradient it accumulated (its reduce-scatters are abandoned, never
-        dropped while a side stream still writes them)."""
+        decision and ``finish_backward``, then the backward's plan and
+        positions (``BackwardSchedule.end``). ``abort``: a step an exception
+        left half-done (see root_pre_forward): first drop what it had in
+        flight and every gradient it accumulated (its reduce-scatters are
+        abandoned, never dropped while a side stream still writes them)."""
         if abort:
-            for launch in self._in_flight:
-                launch.used.release()  # (the compute stream waits its used-flags' all-reduce)
-            self._in_flight = []
-            self.streams.abort()  # (and every post-reduce: see StreamManager.abort)
-            self._pending.clear()  # (drop_grad below forgets what they accumulated)
+            self.backward.abandon()
         for u in self.units:
             if abort:
                 for g in u.groups:
                     g.drop_grad()
             u.finish_backward(resharded=self.reshard(u, Reshard.BACKWARD_END))
+        self.backward.end()
         self._callback_queued = False
-        self.accumulated = False
-        self._order = None
-        self._gather_order = None
-        self._gather_next = 0
-        self._next = 0
-        self._slots = None
-        self._gets_grad = None
-        self._ready.clear()
-        self._launched.clear()
-        self._bucket, self._bucket_bytes, self._following = [], 0, None
         self._new_step = True
 
 
@@ -324,7 +359,10 @@ def lazy_init_root(unit: Unit) -> None:
         for m in unit.modules:  # (removed with the unit's other hooks)
             unit.hook_handles.append(m.register_forward_hook(_forward_ended(unit),
                                                              always_call=True))
-        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units, ctx.streams.runtime))
+        # (CUDA: the check runs on the stream runtime of its groups' device)
+        cuda = [d for _, d in pgs if d.type == "cuda"]
+        runtime = ctx.streams.runtime or (runtime_for(cuda[0]) if cuda else None)
+        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units, runtime))
         ctx.checks.lazy_init(_layout_lines(units) + [
             f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if ctx.checks.enabled else 'off'}"])
     # world size 1: plain PyTorch's forward and backward for the passive units

@@ -3,9 +3,10 @@ the settings that shape a step's collectives besides the forward itself,
 which ``StepChecks.before`` compares across ranks at every root forward and
 backward start, and the check of a step this rank left half-done.
 
-``RootStepChecks`` is a mixin of ``RootContext`` (_state.py, which calls it
-from ``root_pre_forward`` and ``on_backward_hook``): it writes ``_settings``;
-it reads ``settings``, ``units`` and ``checks``.
+``SettingsFingerprint`` is a part of ``RootContext`` (its field
+``fingerprint``), which passes it to ``StepChecks.before`` from
+``root_pre_forward`` and ``on_backward_hook``; ``left_half_done`` is called
+by ``root_pre_forward``.
 """
 from __future__ import annotations
 
@@ -13,21 +14,25 @@ from . import _collectives, _divergence
 from ._common import TrainingState
 
 
-class RootStepChecks:
-    """The settings fingerprint and the half-done check of ``RootContext``."""
+class SettingsFingerprint:
+    """What shapes a phase's collectives besides the forward itself, of one
+    root: its settings and every unit's, as ints and bools only (hashed alike
+    in every process), and a function explaining them in lines (see [Note:
+    divergence]). Recomputed only after a setter or a requires_grad change."""
 
-    def _schedule_settings(self) -> tuple:
-        """(settings, describe): what shapes a phase's collectives besides the
-        forward itself, as ints and bools only (hashed alike in every process),
-        and a function explaining them in lines (see [Note: divergence]).
-        Recomputed only after a setter or a requires_grad change."""
-        if self._settings[0] != _divergence.settings_generation:
+    def __init__(self, settings, units: list, checks):
+        self.settings, self.units, self.checks = settings, units, checks
+        self._cached: tuple = (-1, None)  # (settings_generation, (hash, describe))
+
+    def current(self) -> tuple:
+        """(settings, describe), as ``StepChecks.before`` takes them."""
+        if self._cached[0] != _divergence.settings_generation:
             settings, describe = self._make_settings()
             # (hashed once: a tuple's hash is not cached, and this one has a
             # tuple per unit)
-            self._settings = (_divergence.settings_generation,
-                              (_Hashed(hash(settings)), describe))
-        return self._settings[1]
+            self._cached = (_divergence.settings_generation,
+                            (_Hashed(hash(settings)), describe))
+        return self._cached[1]
 
     def _make_settings(self) -> tuple:
         root, index = self.settings, self.checks.index
@@ -58,15 +63,16 @@ class RootStepChecks:
                     f"forward_order_dynamic {dynamic}"]
         return settings, describe
 
-    def _left_half_done(self) -> None:
-        """This rank left its last step half-done (an exception inside its
-        forward or backward): go on only if every rank left it at the same
-        collective, else raise (see [Note: divergence])."""
-        busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in self.units
-                if u.state is not TrainingState.IDLE]
-        where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
-        where = f"units not finished: {where}" if busy else "its backward did not finish"
-        self.checks.left(_collectives.issued(), where)
+
+def left_half_done(units: list, checks) -> None:
+    """This rank left its last step half-done (an exception inside its
+    forward or backward): go on only if every rank left it at the same
+    collective, else raise (see [Note: divergence])."""
+    busy = [f"'{u.fqn or '<root>'}' ({u.state.name})" for u in units
+            if u.state is not TrainingState.IDLE]
+    where = ", ".join(busy[:4]) + (f" and {len(busy) - 4} more" if len(busy) > 4 else "")
+    where = f"units not finished: {where}" if busy else "its backward did not finish"
+    checks.left(_collectives.issued(), where)
 
 
 # ---------------------------------------------------------------------------

@@ -157,6 +157,11 @@ def runtime_factory(runtime_for: Callable[[torch.device], object]) -> Iterator[N
         _runtime_for = prev
 
 
+def runtime_for(device: torch.device):
+    """The stream runtime of ``device`` (the seam ``runtime_factory`` swaps)."""
+    return _runtime_for(device)
+
+
 class _EventWork:
     """A collective finished on a side stream when ``event`` completes."""
 

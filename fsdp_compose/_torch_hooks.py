@@ -307,12 +307,8 @@ def _any_split(params) -> bool:
     return _first_split(params) is not None
 
 
-def _guard_grad_scaler() -> None:
+def _guard_grad_scaler(original):
     """See [Note: loss scaling]."""
-    original = torch.amp.GradScaler.unscale_
-    if getattr(original, "_fsdp_compose_guard", False):
-        return
-
     def unscale_(self, optimizer):
         hit = self.is_enabled() and _first_split(
             p for group in optimizer.param_groups for p in group["params"])
@@ -327,8 +323,8 @@ def _guard_grad_scaler() -> None:
 
     unscale_.__doc__ = original.__doc__
     unscale_.__wrapped__ = original
-    unscale_._fsdp_compose_guard = True
-    torch.amp.GradScaler.unscale_ = unscale_
+    unscale_._fsdp_compose_dispatch = True
+    return unscale_
 
 
 def _make_clip_dispatcher(original):
@@ -373,24 +369,70 @@ def _stale_clip_error(parameters) -> None:
             "routes to it).")
 
 
-_installed = False
+# What install() changed, as the calls that undo it (None: not installed);
+# ``install_torch_hooks(False)`` also keeps fully_shard from installing.
+_undo: list | None = None
+_auto = True
 
 
 def install() -> None:
-    """Called by every fully_shard; does its work once per process."""
-    global _installed
-    if _installed:
+    """Called by every fully_shard: installs once per process (see
+    ``install_torch_hooks``)."""
+    if _undo is None and _auto:
+        _install()
+
+
+def _install() -> None:
+    global _undo
+    undo = []
+    for register, hook in ((register_optimizer_step_pre_hook, _step_pre_hook),
+                           (register_optimizer_step_post_hook, _step_post_hook)):
+        undo.append(register(hook).remove)
+
+    def patch(owners, name, make):
+        original = getattr(owners[0], name)
+        if getattr(original, "_fsdp_compose_dispatch", False):
+            return  # (installed by another copy of the package: keep it)
+        new = make(original)
+        for owner in owners:
+            setattr(owner, name, new)
+        undo.append(lambda: [setattr(o, name, original) for o in owners])
+
+    patch((nn.utils.clip_grad, nn.utils), "clip_grad_norm_", _make_clip_dispatcher)
+    patch((nn.utils,), "get_total_norm", _make_total_norm_dispatcher)
+    patch((torch.amp.GradScaler,), "unscale_", _guard_grad_scaler)
+    undone = _compat.guard_torch_clip_helper(_stale_clip_error)
+    if undone is not None:
+        undo.append(undone)
+    _undo = undo
+
+
+def install_torch_hooks(enable: bool = True) -> None:
+    """What fsdp_compose attaches to torch, so that torch's own entry points
+    stay right on sharded parameters (on by default: the first
+    ``fully_shard`` installs it, once per process):
+
+    - a global optimizer step pre-/post-hook: the check that an optimizer is
+      exact on the pieces it steps ([Note: optimizers on sharded parameters]);
+    - ``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.get_total_norm``
+      route calls on sharded gradients to ours (the global norm; any other
+      call goes to torch's unchanged), and torch's clip helper raises when
+      reached through a reference taken before ([Note:
+      torch.nn.utils.clip_grad_norm_]);
+    - ``torch.amp.GradScaler.unscale_`` raises on sharded parameters, naming
+      ``ShardedGradScaler`` ([Note: loss scaling]).
+
+    ``install_torch_hooks(False)`` removes all of it (torch's functions as
+    they were) and keeps later ``fully_shard`` calls from installing it;
+    ``install_torch_hooks()`` installs it again. Without it those entry
+    points are silently wrong on sharded parameters: call
+    ``fsdp_compose.clip_grad_norm_`` and ``ShardedGradScaler`` yourself."""
+    global _undo, _auto
+    _auto = enable
+    if enable:
+        if _undo is None:
+            _install()
         return
-    _installed = True
-    register_optimizer_step_pre_hook(_step_pre_hook)
-    register_optimizer_step_post_hook(_step_post_hook)
-    original = nn.utils.clip_grad.clip_grad_norm_
-    if not getattr(original, "_fsdp_compose_dispatch", False):
-        dispatcher = _make_clip_dispatcher(original)
-        nn.utils.clip_grad.clip_grad_norm_ = dispatcher
-        nn.utils.clip_grad_norm_ = dispatcher
-    original = nn.utils.get_total_norm
-    if not getattr(original, "_fsdp_compose_dispatch", False):
-        nn.utils.get_total_norm = _make_total_norm_dispatcher(original)
-    _compat.guard_torch_clip_helper(_stale_clip_error)
-    _guard_grad_scaler()
+    for fn in reversed(_undo or []):
+        fn()
+    _undo = None

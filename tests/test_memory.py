@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import torch.distributed as dist
 
-from fsdp_compose import _flat_group, _fully_shard, _registry, _state, fully_shard
+from fsdp_compose import _backward_schedule, _flat_group, _fully_shard, _registry, fully_shard
 
 from ._dist import run_distributed
 
@@ -42,7 +42,7 @@ def _alloc_order(rank, world):
     m = _stack(4, 16, 64)
     log = []
     alloc, free, drain = (_flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat,
-                          _state.RootContext.finish_in_flight)
+                          _backward_schedule.BackwardSchedule.finish_in_flight)
 
     def logged_alloc(g):
         log.append(("alloc", g.unit_fqn))
@@ -52,23 +52,23 @@ def _alloc_order(rank, world):
         log.append(("free", g.unit_fqn))
         free(g)
 
-    def logged_drain(ctx):
-        if ctx._in_flight:
-            log.append(("drain", ctx._in_flight[0].group.unit_fqn))
-        drain(ctx)
+    def logged_drain(schedule):
+        if schedule.in_flight:
+            log.append(("drain", schedule.in_flight[0].group.unit_fqn))
+        drain(schedule)
 
     x = torch.randn(4, 16)
     m(x).sum().backward()
     _flat_group.FlatGroup._alloc_flat = logged_alloc
     _flat_group.FlatGroup._free_flat = logged_free
-    _state.RootContext.finish_in_flight = logged_drain
+    _backward_schedule.BackwardSchedule.finish_in_flight = logged_drain
     try:
         loss = m(x).sum()
         del log[:]
         loss.backward()
     finally:
         _flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat = alloc, free
-        _state.RootContext.finish_in_flight = drain
+        _backward_schedule.BackwardSchedule.finish_in_flight = drain
     return log
 
 

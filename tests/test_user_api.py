@@ -173,3 +173,49 @@ def test_set_unshard_in_backward(world, per_unit):
             assert bytes_all - bytes_skip == embed_bytes
             if per_unit:  # 4 in forward, 3 in backward (the root is kept) vs 2
                 assert (calls_all, calls_skip) == (7, 6)
+
+
+# ------------------------------------------------ what is attached to torch
+def _installs(rank, world):
+    import torch.amp
+    from torch.nn.utils import clip_grad
+
+    import fsdp_compose
+
+    class Custom(torch.optim.SGD):  # an optimizer we do not know: needs whole tensors
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def step_raises():
+        torch.manual_seed(0)
+        m = nn.Linear(8, 8)
+        fully_shard(m)
+        m(torch.randn(2, 8)).sum().backward()
+        return raised(lambda: Custom(m.parameters(), lr=0.1).step())[0] != "no error"
+
+    names = lambda: (nn.utils.clip_grad_norm_, clip_grad.clip_grad_norm_,  # noqa: E731
+                     nn.utils.get_total_norm, torch.amp.GradScaler.unscale_,
+                     clip_grad._clip_grads_with_norm_)
+    out = {"installed": step_raises()}
+    patched = names()
+    fsdp_compose.install_torch_hooks(False)
+    originals = names()
+    out["off"] = step_raises()  # (its fully_shard installs nothing)
+    ours = ("_fsdp_compose_dispatch", "_fsdp_compose_guard")
+    out["restored"] = [a is not b and not any(hasattr(b, n) for n in ours)
+                       for a, b in zip(patched, originals)]
+    fsdp_compose.install_torch_hooks()
+    out["again"] = step_raises()
+    out["repatched"] = [n is not o for n, o in zip(names(), originals)]
+    return out
+
+
+def test_torch_hooks_are_one_reversible_install():
+    """The optimizer check, the clip and get_total_norm routing, the guard
+    of torch's clip helper and GradScaler's: installed by fully_shard, all
+    removed by install_torch_hooks(False) (torch's own functions back, no
+    global optimizer hook: an unknown optimizer over split parameters steps
+    silently), installed again by install_torch_hooks()."""
+    for res in run_distributed(_installs, 2):
+        assert res["installed"] and not res["off"] and res["again"], res
+        assert res["restored"] == [True] * 5 and res["repatched"] == [True] * 5, res

@@ -35,6 +35,11 @@ the same events of a real run. Not counted: the copies inside an all-gather
 or reduce-scatter bucket (at most the bucket size each), autograd's per-
 parameter gradients before the flat gradient is assembled, activations.
 
+The forward is recorded in the package's ``StepRecord`` and the backward
+follows the package's ``BackwardPlan`` (``_backward_plan.build_plan``: gather
+and reduce orders, slots, prefetch stops, reduce buckets), as RootContext's
+backward does; what the replay adds is memory and collective bookkeeping.
+
 Two backward schedules, as in [Note: gloo backward] (_backward_schedule.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
@@ -45,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_compose import _layout
+from fsdp_compose._backward_plan import StepRecord, build_plan
 from fsdp_compose.api import CommStats
 from fsdp_compose._grad_path import INLINE_FLAGS_BYTES
 
@@ -416,8 +422,7 @@ class Step:
     # ------------------------------------------------------------ forward
     def forward(self) -> None:
         self.phase = "forward"
-        self.clock, self.first_pre, self.last_post = 0, {}, {}
-        self.grad_follows: list[UnitInfo] = []
+        self.record = StepRecord()  # the package's, as RootContext keeps it
         self._pre_forward(self.root)
         for u in self.units[1:]:
             self._pre_forward(u)
@@ -426,8 +431,7 @@ class Step:
 
     def _pre_forward(self, u: UnitInfo) -> None:
         self._event("pre_forward", u)
-        self.clock += 1
-        self.first_pre.setdefault(id(u), self.clock)
+        self.record.record_pre(u)
         self._unshard(u, self.units)
         i = self.units.index(u)
         for v in self.units[i + 1:i + 1 + self.depth]:
@@ -438,27 +442,22 @@ class Step:
 
     def _post_forward(self, u: UnitInfo) -> None:
         self._event("post_forward", u)
-        if u in self.grad_follows:
-            self.grad_follows.remove(u)
-        self.grad_follows.append(u)
-        self.clock += 1
-        self.last_post[id(u)] = self.clock
+        self.record.expect_backward(u)
         if u.reshard_after_forward:
             self._reshard(u, to_post_forward=True)
 
     # ----------------------------------------------------------- backward
     def backward(self) -> None:
         self.phase = "backward"
-        self.G = list(reversed(self.grad_follows))
-        self.pos = {id(u): i for i, u in enumerate(self.G)}
-        self.R = [u for u in reversed(self.units) if u in self.grad_follows]  # first-pre order
-        self.R.sort(key=lambda u: -self.first_pre[id(u)])
+        # the package's plan of this backward (_backward_plan.build_plan)
+        self.plan = build_plan(self.record, prefetch_depth=self.depth,
+                               reduces=lambda u: bool(u.trainable),
+                               grad_bytes=lambda u: sum(g.reduce_bytes for g in u.trainable),
+                               bucket_bytes=self.rs_limit)
+        self.G = list(self.plan.gather_order)
         self.gather_next, self.next = 0, 0
         self.ready: set[int] = set()
         self.bucket: list[UnitInfo] = []
-        self.bucket_bytes = 0
-        self.slots = self._slot_of()
-        self.following = self._next_reduced_bytes()
         # A unit whose flat aliases its shard (world size 1) keeps the split
         # node made at fully_shard time: the engine runs it after the rest of
         # backward, latest-made (the root) first (see Unit._refresh_views).
@@ -478,46 +477,15 @@ class Step:
             self._unit_grads(u)
         self._final()
 
-    def _stop(self, u: UnitInfo, prefetch: bool = True) -> int:
-        s = self.pos[id(u)] + (self.depth if prefetch else 0)
-        return min(s, len(self.G) - 1)
-
-    def _slot_of(self) -> list[int]:
-        reach, best = [], -1
-        for u in self.G:
-            best = max(best, self._stop(u))
-            reach.append(best)
-        slots, ended, floor = [], 0, 0
-        for u in self.R:
-            while ended < len(self.G) and self.last_post[id(self.G[ended])] > self.first_pre[id(u)]:
-                ended += 1
-            floor = max(floor, reach[ended - 1])
-            slots.append(floor)
-        return slots
-
-    def _reduces(self, u: UnitInfo) -> bool:
-        return bool(u.trainable)
-
-    def _unit_grad_bytes(self, u: UnitInfo) -> int:
-        return sum(g.reduce_bytes for g in u.trainable)
-
-    def _next_reduced_bytes(self) -> list:
-        out, following = [None] * (len(self.R) + 1), None
-        for i in range(len(self.R) - 1, -1, -1):
-            if self._reduces(self.R[i]):
-                following = self._unit_grad_bytes(self.R[i])
-            out[i] = following
-        return out
-
     def _hooked(self, u: UnitInfo) -> bool:
         """Its gradients run RootContext.grads_computed (gloo, a group with world > 1)."""
         return self.gloo and any(g.world > 1 for g in u.trainable)
 
     def _pre_backward(self, u: UnitInfo) -> None:
         self._event("pre_backward", u)
-        if u in self.grad_follows:
+        if self.record.expects_backward(u):
             late = self._hooked(u) and u.reshard_after_forward
-            self._gather_up_to(self._stop(u, prefetch=not late))
+            self._gather_up_to(self.plan.stop(u, prefetch=not late))
         self._unshard(u, self.G)
         self._wait(u)
 
@@ -535,7 +503,7 @@ class Step:
                 if self.state[id(g)] != _SHARDED:
                     self._event("reshard", u)
                     self._reshard_group(g)
-                self._gather_up_to(self._stop(u))
+                self._gather_up_to(self.plan.stop(u))
                 self._drain()
             self.flat_grad[id(g)] = g.grad_bytes  # the split backward's cat
         if not u.trainable:
@@ -546,12 +514,14 @@ class Step:
         self._issue_reductions()
 
     def _issue_reductions(self, demand: bool = False, final: bool = False) -> None:
-        while self.next < len(self.R):
-            u = self.R[self.next]
-            if not self._reduces(u):
+        """BackwardSchedule._issue_reductions, on the same plan."""
+        plan = self.plan
+        while self.next < len(plan.reduce_order):
+            i, u = self.next, plan.reduce_order[self.next]
+            if not plan.reduces[i]:
                 self.next += 1
                 continue
-            if self.slots[self.next] >= self.gather_next:
+            if plan.slots[i] >= self.gather_next:
                 break
             if id(u) not in self.ready and not final:
                 break  # (every unit gets a gradient here: no zero-filled demand)
@@ -560,10 +530,8 @@ class Step:
                 self._launch([u])
                 continue
             self.bucket.append(u)
-            self.bucket_bytes += self._unit_grad_bytes(u)
-            following = self.following[self.next]
-            if following is None or self.bucket_bytes + following > self.rs_limit:
-                units, self.bucket, self.bucket_bytes = self.bucket, [], 0
+            if plan.bucket_ends[i]:
+                units, self.bucket = self.bucket, []
                 self._launch(units, bucketed=True)
 
     def _launch(self, units: list[UnitInfo], bucketed: bool = False) -> None:
