@@ -319,3 +319,16 @@ def dcp_flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     return flatten_state_dict(state_dict)
+
+
+def dtensor_local(t) -> torch.Tensor:
+    """The local tensor object a DTensor holds (not a view of it).
+
+    Why private: torchao's ``precompute_float8_dynamic_scale_for_fsdp``
+    stores each weight's scale on ``weight._local_tensor``, the object whose
+    ``fsdp_pre_all_gather`` the next all-gather must call (FSDP2 reads
+    ``sharded_param._local_tensor`` alike). ``DTensor.to_local()`` of an
+    ``nn.Parameter`` DTensor returns a fresh view in torch 2.13 (gh-166156),
+    without that attribute.
+    """
+    return t._local_tensor

@@ -157,13 +157,12 @@ class FlatGroup(GradientPath):
 
         itemsize = min(first.element_size(), self.compute_dtype.itemsize)
         align = _layout.align_elems(itemsize)
-        locals_ = [p.to_local() if isinstance(p, DTensor) else p for p, _, _ in params]
+        locals_ = [self._local_of(p) for p, _, _ in params]
         held = first.element_size()  # (loads are the bytes of the shards)
-        self.layout = layout = _layout.plan(
+        self.layout = layout = self._plan_layout(
             [_layout.Slot(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
              for t in locals_], world, align, granularity,
-            before=None if loads is None else [b // held for b in loads],
-            even=_layout.FORCE_EVEN)
+            None if loads is None else [b // held for b in loads])
         if loads is not None:
             for r in range(world):
                 loads[r] += layout.shard_numel(r) * held
@@ -185,7 +184,7 @@ class FlatGroup(GradientPath):
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
             for e, (p, _, _), local in zip(self.entries, params, locals_):
-                e.sharded.__dict__.update(p.__dict__)  # user attributes survive
+                self._copy_attrs(e, p)  # user attributes survive
                 if not local.is_meta and e.local_range[1] > e.local_range[0]:
                     src = local.detach().reshape(-1)[slice(*e.local_range)]
                     self.shard[slice(*e.shard_range)].copy_(src)
@@ -193,6 +192,19 @@ class FlatGroup(GradientPath):
         self._pending: Pending | None = None
         self._pf_shard: torch.Tensor | None = None   # post-forward shard (PARTIAL)
         self.unsharded_version = -1                  # shard._version when last gathered
+
+    @staticmethod
+    def _local_of(p: torch.Tensor) -> torch.Tensor:
+        """The tensor whose values and shape the group holds for ``p``."""
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    @staticmethod
+    def _plan_layout(slots: list, world: int, align: int, granularity: str,
+                     before: list | None) -> _layout.Layout:
+        """The group's layout (see [Note: shard layout]); ``before``: the loads
+        of earlier groups over the same ranks, in this group's elements."""
+        return _layout.plan(slots, world, align, granularity, before=before,
+                            even=_layout.FORCE_EVEN)
 
     def _set_dtype(self, dtype: torch.dtype) -> None:
         """The shard's dtype (the master copy) and what follows from it."""
@@ -261,6 +273,10 @@ class FlatGroup(GradientPath):
         self._hook_flat()
         self.refresh_views()
         self._free_flat()
+
+    def _copy_attrs(self, e: ParamEntry, p: torch.Tensor) -> None:
+        """The user attributes of original parameter ``p`` onto its sharded Parameter."""
+        e.sharded.__dict__.update(p.__dict__)
 
     def set_grad_hook(self, hook) -> None:
         """``hook`` runs when the flat gradient is accumulated (the post-backward);

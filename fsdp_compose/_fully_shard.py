@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ._checkpoint import register_hooks as register_state_dict_hooks
 from ._common import default_device, unit_error
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
+from . import _extension
 from ._flat_group import FlatGroup, PostForward
 from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
 from ._layout import GRANULARITIES
@@ -162,7 +163,9 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
     by_key: dict[tuple, list] = {}
     for item in params:
         p = item[0]
-        by_key.setdefault((p.dtype, p.requires_grad), []).append(item)
+        # a parameter whose class defines the all-gather extension: a group of its own
+        key = ("extension", id(p)) if _extension.defines_extension(p) else (p.dtype, p.requires_grad)
+        by_key.setdefault(key, []).append(item)
     shard_dim = mesh.ndim - 1
     world, rank, pg = mesh.size(shard_dim), mesh.get_local_rank(shard_dim), mesh.get_group(shard_dim)
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
@@ -170,13 +173,15 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
     post_forward = _post_forward_group(pg, post_forward_size) if post_forward_size else None
     mp = mp_policy or MixedPrecisionPolicy()
     loads = _rank_loads(pg)
-    return [FlatGroup(label, items, device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg,
-                      param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                      offload=offload is not None,
-                      pin_memory=bool(offload is not None and offload.pin_memory),
-                      replicate_pg=replicate_pg, post_forward=post_forward,
-                      granularity=granularity, mesh=mesh, loads=loads)
-            for items in by_key.values()]
+    kw = dict(device=device, world=world, rank=rank, pg=pg, rs_pg=rs_pg,
+              param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+              offload=offload is not None,
+              pin_memory=bool(offload is not None and offload.pin_memory),
+              replicate_pg=replicate_pg, post_forward=post_forward,
+              granularity=granularity, mesh=mesh, loads=loads)
+    return [_extension.ExtensionGroup(label, items, mp_policy=mp_policy, **kw)
+            if key[0] == "extension" else FlatGroup(label, items, **kw)
+            for key, items in by_key.items()]
 
 
 def _from_torch_policies(mp_policy, offload_policy):
@@ -316,31 +321,14 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,
     reshard_after_forward, post_forward_size = _check_reshard_after_forward(
         label, reshard_after_forward, shard_world)
     params = _collect(modules, ignored, label)
-    _check_all_gather_extension(label, params)
+    _extension.check_params(label, params, mesh=mesh, post_forward_size=post_forward_size,
+                            granularity=shard_granularity)
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
                             shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
                 mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
     _attach(unit, modules, params, device)
     return module
-
-
-def _check_all_gather_extension(label: str, params: list) -> None:
-    """A parameter whose tensor subclass defines FSDP2's all-gather extension
-    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: torchao's float8
-    weights with ``enable_fsdp_float8_all_gather``) chooses what is gathered.
-    Our flat buffers would gather it in its own dtype instead, and the subclass
-    would compute from other values than under FSDP2: refused, naming it."""
-    for p, _slots, fqn in params:
-        cls = type(p)
-        if hasattr(cls, "fsdp_pre_all_gather") or hasattr(cls, "fsdp_post_all_gather"):
-            raise unit_error(label, f"parameter '{fqn}' is a {cls.__name__}, whose class "
-                             "defines FSDP2's all-gather extension (fsdp_pre_all_gather / "
-                             "fsdp_post_all_gather), which fsdp_compose does not support yet: "
-                             "it would be gathered in its own dtype, not as the extension "
-                             "chooses.", "Turn the extension off (torchao: Float8LinearConfig("
-                             "enable_fsdp_float8_all_gather=False)), or shard this model with "
-                             "torch.distributed.fsdp.fully_shard.", exc=NotImplementedError)
 
 
 def _check_modules(module) -> tuple[list[nn.Module], str]:

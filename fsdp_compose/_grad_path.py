@@ -305,7 +305,7 @@ class GradientPath:
         empty piece held elsewhere gets an empty gradient, see [Note: empty pieces])."""
         for e, t in zip(self.entries, take):
             if t:
-                e.sharded.grad = _empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf)
+                e.set_grad(_empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf))
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -487,13 +487,13 @@ class GradientPath:
             for k, e in enumerate(entries):
                 if not self._trains[k]:
                     continue  # frozen: backward leaves p.grad alone
-                g = e.sharded.grad
+                g = e.grad_rows()
                 piece = e.piece(out)
                 if g is not None:
                     g.add_(piece.view_as(g))
                 elif any_rank is None or any_rank[k]:
-                    e.sharded.grad = (_empty_grad(e, out) if e.held_elsewhere()
-                                      else piece.clone())  # (a view would keep all of out alive)
+                    e.set_grad(_empty_grad(e, out) if e.held_elsewhere()
+                               else piece.clone())  # (a view would keep all of out alive)
 
 
 def _empty_grad(e, buf: torch.Tensor) -> torch.Tensor:

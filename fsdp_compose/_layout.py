@@ -348,3 +348,16 @@ def _tensor_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int
         offsets[i] = r * chunk + at[r]
         at[r] += _ceil_to(s.numel, align)
     return chunk, offsets
+
+
+def chunked(slot: Slot, world: int) -> Layout:
+    """One parameter laid out as FSDP2 shards it (``torch.chunk`` on dim 0):
+    rank r holds rows ``[min(r·c, R), min((r+1)·c, R))``, ``c = ceil(R / W)``,
+    so the last ranks may hold fewer rows or none. For a parameter whose class
+    defines FSDP2's all-gather extension (_extension.py): the rows a subclass
+    sees on each rank, and the global shape its DTensor shows, are then
+    FSDP2's. Equal chunks when ``W`` divides ``R``, else uneven pieces; no
+    alignment padding (the parameter is alone in its group, starting at 0)."""
+    c = -(-slot.rows // world)
+    bounds = tuple(min(r * c, slot.rows) * slot.row_numel for r in range(world + 1))
+    return Layout("row", world, c * slot.row_numel, (0,), (slot,), bounds, slot.numel)

@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from . import _compat
 from ._layout import Layout
 
 
@@ -26,6 +27,39 @@ class TPSpec(NamedTuple):
     placements: tuple
     shape: torch.Size     # its global shape
     stride: tuple
+
+
+def _data_name(t: torch.Tensor) -> str | None:
+    """The name of the one inner tensor of a wrapper subclass that holds its
+    values (same shape and dtype), or None."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or not hasattr(type(t), "__tensor_unflatten__"):
+        return None
+    names, _ = flatten()
+    found = [n for n in names if isinstance(getattr(t, n, None), torch.Tensor)
+             and getattr(t, n).shape == t.shape and getattr(t, n).dtype == t.dtype]
+    return found[0] if len(found) == 1 else None
+
+
+def inner_data(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding a subclass instance's values."""
+    return getattr(t, _data_name(t))
+
+
+class ExtSpec(NamedTuple):
+    """A parameter whose class defines FSDP2's all-gather extension
+    (_extension.py): while sharded it is shown as FSDP2 shows it, a DTensor
+    ``Shard(0)`` over the unit's mesh, of its global shape, wrapping the
+    subclass around this rank's rows."""
+
+    mesh: object          # the unit's (1-D) DeviceMesh
+    shape: torch.Size     # the global shape
+    stride: tuple
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's rows) as the DTensor FSDP2 would show."""
+        return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False,
+                                  shape=self.shape, stride=self.stride)
 
 
 @dataclass
@@ -43,6 +77,7 @@ class ParamEntry:
     sharded: nn.Parameter = None    # view of the local shard, shaped ``piece_shape``
     unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
+    ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
 
     @property
     def numel(self) -> int:
@@ -65,6 +100,23 @@ class ParamEntry:
         shard (world size 1). Never for a DTensor parameter whose placements
         are not all ``Replicate``: the flat group holds its local TP shard."""
         return self.whole
+
+    def set_grad(self, grad: torch.Tensor | None) -> None:
+        """``p.grad`` of the sharded Parameter: ``grad`` (this rank's rows), as
+        a DTensor where the Parameter is one (``ext``)."""
+        self.sharded.grad = grad if grad is None or self.ext is None else self.ext.wrap(grad)
+
+    def grad_rows(self) -> torch.Tensor | None:
+        """``p.grad`` as this rank's rows (a plain tensor)."""
+        g = self.sharded.grad
+        return g.to_local() if isinstance(g, DTensor) else g
+
+    def storage_ptr(self) -> int:
+        """Where the sharded Parameter's data lives (its piece of the shard)."""
+        t = self.sharded
+        if self.ext is not None:  # DTensor(subclass(rows)): the rows' own storage
+            t = inner_data(_compat.dtensor_local(t))
+        return t.untyped_storage().data_ptr()
 
     def is_empty(self) -> bool:
         """This rank's piece has 0 rows."""

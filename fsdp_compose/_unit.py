@@ -255,7 +255,7 @@ class Unit:
                             "not after (in place, under torch.no_grad(), is fine); cast or "
                             "move the module fully_shard was applied to (or the whole model), "
                             "not a module inside it.")
-                if e.sharded.untyped_storage().data_ptr() != shard_ptr:
+                if e.storage_ptr() != shard_ptr:
                     raise unit_error(
                         self.fqn, f"parameter '{e.fqn}' no longer aliases its shard (its .data "
                         "was replaced: p.data = ..., or .to() / to_empty() on a module inside "

@@ -279,7 +279,10 @@ def test_meta_state_dict_loads_with_assign(runs, world):
 
 
 class _WithExtension(torch.Tensor):
-    """A tensor subclass that declares FSDP2's all-gather extension."""
+    """A tensor subclass that declares FSDP2's all-gather extension but is no
+    traceable wrapper subclass (no __tensor_flatten__): we cannot rebuild it
+    around a rank's rows, so it is refused (tests/test_all_gather_extension.py
+    has the supported cases and the other refusals)."""
 
     def fsdp_pre_all_gather(self, mesh):  # pragma: no cover - never called
         raise AssertionError
