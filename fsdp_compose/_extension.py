@@ -14,6 +14,9 @@ as FSDP2 gathers it, with the calls torch 2.13's FSDP2 makes:
   whatever dtype) master shard, which the optimizer steps;
 - each returned tensor is all-gathered into a buffer of its own dtype
   (``W`` × its size, moved as bytes: gloo has no float8), in rank order;
+  a unit's extension groups share ONE all-gather (``gather_together``:
+  their inputs' bytes end to end, each output's rows copied out at its
+  group's wait), as FSDP2 packs a unit;
 - the first time, ``unsharded, inner = local.fsdp_post_all_gather(outputs,
   metadata, param_dtype)``, and the module computes with ``unsharded`` (cut
   to the global shape when the outputs are padded); afterwards the same
@@ -278,12 +281,33 @@ class ExtensionGroup(FlatGroup):
         pass
 
     def gather_key(self) -> None:
-        return None  # (not bucketed: its own buffers, see the Note)
+        return None  # (not in a plain bucket: its own buffers, see the Note)
+
+    def gathers_together(self, streams) -> bool:
+        """Sharded over several ranks: gathered with the unit's other
+        extension groups in one all-gather (``gather_together``)."""
+        return (self.state is ShardedState.SHARDED and self.world > 1
+                and self.device.type != "meta")
 
     # ------------------------------------------------------------------ gather
     def unshard(self, streams: StreamManager) -> None:
         if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:
             return
+        pairs = self._start_gather()
+        if self.world == 1:
+            for src, dst in pairs:
+                dst.copy_(src)
+        elif len(pairs) > 1:
+            gather_together([self], streams, [pairs])
+            return
+        else:
+            self._pend = [streams.all_gather(dst, src, self.pg, (self.unit_fqn, _GATHER))
+                          for src, dst in pairs]
+        self.state = ShardedState.UNSHARDING
+
+    def _start_gather(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``fsdp_pre_all_gather`` on this rank's piece: [(what this rank sends,
+        the output it is gathered into)], each as bytes."""
         e = self.entries[0]
         if self.device.type == "meta":
             from ._common import META_FIX
@@ -293,14 +317,8 @@ class ExtensionGroup(FlatGroup):
         inputs = self._pre_all_gather(e)
         outputs = self._alloc_outputs()
         self._pend = []
-        for inp, out in zip(inputs, outputs):
-            src = _as_bytes(inp.reshape(-1).contiguous())
-            dst = _as_bytes(out)
-            if self.world == 1:
-                dst.copy_(src)
-                continue
-            self._pend.append(streams.all_gather(dst, src, self.pg, (self.unit_fqn, _GATHER)))
-        self.state = ShardedState.UNSHARDING
+        return [(_as_bytes(inp.reshape(-1).contiguous()), _as_bytes(out))
+                for inp, out in zip(inputs, outputs)]
 
     def _pre_all_gather(self, e) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -412,3 +430,62 @@ class ExtensionGroup(FlatGroup):
 
     def __repr__(self) -> str:
         return "Extension" + super().__repr__()
+
+
+def gather_together(groups: list[ExtensionGroup], streams: StreamManager,
+                    pairs: list | None = None) -> None:
+    """ONE all-gather for every tensor that the ``fsdp_pre_all_gather`` of
+    ``groups`` (sharded, on one process group, world > 1) returns, as FSDP2
+    gathers a unit's parameters: this rank's bytes of each end to end (a copy
+    in), and at each group's wait its outputs' rows copied out of the shared
+    buffer (a copy out). ``pairs``: what ``_start_gather`` already returned."""
+    if pairs is None:
+        pairs = [g._start_gather() for g in groups]
+    sends = [src for group_pairs in pairs for src, _ in group_pairs]
+    W, n = groups[0].world, sum(t.numel() for t in sends)
+    send = torch.cat(sends)
+    recv = torch.empty(W * n, dtype=torch.uint8, device=groups[0].device)
+    many = f" (with {len(groups) - 1} more parameters)" if len(groups) > 1 else ""
+    pending = streams.all_gather(recv, send, groups[0].pg,
+                                 (groups[0].unit_fqn, _GATHER + many))
+    work = _TogetherWork(pending, recv.view(W, n), groups, pairs)
+    for g in groups:
+        g._pend = [work.part(g)]
+        g.state = ShardedState.UNSHARDING
+
+
+class _TogetherWork:
+    """The all-gather ``gather_together`` issued: waited once; each group's
+    outputs are copied out when that group waits, the buffer released after
+    the last."""
+
+    def __init__(self, pending, recv: torch.Tensor, groups: list, pairs: list):
+        self._pending, self._recv = pending, recv
+        self._at: dict[int, list] = {}
+        at = 0
+        for g, group_pairs in zip(groups, pairs):
+            spans = []
+            for src, dst in group_pairs:
+                spans.append((dst, at, src.numel()))
+                at += src.numel()
+            self._at[id(g)] = spans
+
+    def part(self, g: ExtensionGroup):
+        work = self
+
+        class _Part:
+            @staticmethod
+            def wait():
+                work._copy_out(g)
+        return _Part
+
+    def _copy_out(self, g: ExtensionGroup) -> None:
+        self._pending.wait()  # (idempotent; on CUDA it orders the current stream)
+        spans = self._at.pop(id(g), None)
+        if spans is None:
+            return
+        W = self._recv.shape[0]
+        for dst, at, width in spans:
+            dst.view(W, width).copy_(self._recv[:, at:at + width])
+        if not self._at:
+            self._recv = None

@@ -438,6 +438,11 @@ class FlatGroup(GradientPath):
                                            bounds=self.gather_bounds)
         self.state = ShardedState.UNSHARDING
 
+    def gathers_together(self, streams) -> bool:
+        """Gathered with the unit's other such groups in one all-gather
+        (``_extension.gather_together``); a plain group never is."""
+        return False
+
     def gather_key(self) -> tuple | None:
         """Groups with equal keys can share one all-gather (see gather_bucket);
         None: this group is not gathered by a plain all-gather right now. A

@@ -38,6 +38,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import _compat, _divergence
 from ._common import (Gather, Kept, Reshard, RootSettings, ShardedState, TrainingState,
                       label, trace, unit_error, weak_hook)
+from ._extension import gather_together
 from ._flat_group import FlatGroup
 from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
@@ -196,6 +197,10 @@ class Unit:
         """Issue the all-gathers of every group (no wait): the act of
         ``RootContext.gather``, which decided it (and buckets)."""
         issued = False
+        together = [g for g in self.groups if g.gathers_together(streams)]
+        if len(together) > 1:  # (FSDP2's all-gather extension: see _extension.py)
+            gather_together(together, streams)
+            issued = True
         for g in self.groups:
             issued |= g.world > 1 and (g.state is ShardedState.SHARDED
                                        or g.state is ShardedState.PARTIAL)

@@ -54,12 +54,14 @@ class Net(nn.Module):
 
 @contextlib.contextmanager
 def fsdp2_all_gather_bytes():
-    """Bytes FSDP2's all-gathers write (it issues them as all_gather_single)."""
-    box = [0]
+    """Bytes FSDP2's all-gathers write, and their number (it issues them as
+    all_gather_single)."""
+    box = [0, 0]
     orig = dist.all_gather_single
 
     def counting(out, inp, *a, **k):
         box[0] += out.numel() * out.element_size()
+        box[1] += 1
         return orig(out, inp, *a, **k)
 
     with mock.patch.object(dist, "all_gather_single", counting):
@@ -104,7 +106,7 @@ def _float8_train(rank, world, impl, ext, mp, precompute, steps=5):
         dynamic[0] += 1
         return cast(*a, **k)
 
-    losses, nbytes, scales_set, dynamic_casts = [], [], [], []
+    losses, nbytes, calls, scales_set, dynamic_casts = [], [], [], [], []
     for _ in range(steps):
         x = torch.randn(4, 16, D)
         fsdp_compose.reset_comm_stats()
@@ -114,7 +116,9 @@ def _float8_train(rank, world, impl, ext, mp, precompute, steps=5):
             loss = model(x).float().pow(2).mean()
             loss.backward()
         dynamic_casts.append(dynamic[0])
-        nbytes.append(fsdp_compose.comm_stats().all_gather_bytes if impl == "ours" else box[0])
+        stats = fsdp_compose.comm_stats()
+        nbytes.append(stats.all_gather_bytes if impl == "ours" else box[0])
+        calls.append(stats.all_gather_calls if impl == "ours" else box[1])
         opt.step()
         opt.zero_grad()
         if precompute:
@@ -136,8 +140,8 @@ def _float8_train(rank, world, impl, ext, mp, precompute, steps=5):
                      type(m.weight.to_local() if isinstance(m.weight, DTensor)
                           else m.weight).__name__)
                     for m in model.modules() if hasattr(m, "linear_mm_config")})
-    return dict(losses=losses, bytes=nbytes, scales_set=scales_set, rows=rows, kinds=kinds,
-                dynamic_casts=dynamic_casts)
+    return dict(losses=losses, bytes=nbytes, calls=calls, scales_set=scales_set, rows=rows,
+                kinds=kinds, dynamic_casts=dynamic_casts)
 
 
 _FLOAT8_RUNS = [  # (impl, extension on, bf16 params, precompute the scales)
@@ -214,6 +218,21 @@ def test_float8_all_gather_bytes_equal_fsdp2(float8_runs, world):
         # blocks' (2 x D x F each) are gathered in forward and again in
         # backward, the root's head (D x D) once
         assert bf16 - f8 == 2 * (2 * 2 * D * F) + D * D, (bf16, f8)
+
+
+@needs_torchao
+@pytest.mark.parametrize("world", [2, 4])
+def test_float8_weights_of_a_unit_share_one_all_gather(float8_runs, world):
+    """A unit's float8 weights (a block's w1 and w2) go in ONE all-gather
+    (their bytes end to end, copied in and out, as FSDP2 packs a unit); its
+    plain group (the LayerNorm) keeps its own zero-copy all-gather, where
+    FSDP2 packs it in the same one: every unit of this model has both, so
+    ours issues exactly two all-gathers where FSDP2 issues one (three per
+    block, one per weight, before the weights were gathered together)."""
+    for r in float8_runs[world]:
+        for mp in (False, True):
+            ours, fsdp2 = r[("ours", True, mp, True)]["calls"], r[("fsdp2", True, mp, True)]["calls"]
+            assert ours == [2 * c for c in fsdp2], (ours, fsdp2)
 
 
 @needs_torchao
