@@ -12,71 +12,40 @@ decision (``RootContext.gather`` / ``reshard``).
 
 [Note: collective order]
 Collectives on one process group must be issued in the same order on every
-rank, but which hooks fire in backward, and when, depends on each rank's
-autograd graph (a unit may get no gradient on some rank). So backward
-collectives follow rank-independent orders derived from the forward, over the
-units whose forward ran with a backward to follow:
-- All-gathers follow the *gather order*: the reverse of the units' LAST
-  post-forward (the order their pre-backward hooks fire: the root, whose
-  forward ends last, first). When a unit needs its parameters in backward,
-  every unit before it in that order is gathered first (once per backward).
-- Reduce-scatters follow the *reduce order*: the reverse of the units' FIRST
-  pre-forward (the order their gradients complete: the root, whose first
-  parameters are used first, last), then the units whose reduction an
-  earlier backward left unfinished (without gradient sync, or HSDP without
-  the all-reduce) and that did not run in this one (``_pending``: their
-  gradient belongs to this step, as DDP's no_sync keeps it in p.grad). A
-  unit whose gradients are ready waits until every trainable unit before it
-  was issued; the root's final callback issues the rest, zero-filled where
-  this rank produced no gradient. They run on a second process group over
-  the same ranks, so the two streams of collectives cannot block each other.
-- Both orders include the units that ran as a no-grad island of the training
-  forward (a reentrant checkpoint: its recomputation in backward gathers
-  them, and their gradients come from a nested backward), at the place of
-  their forward: a rank whose graph reaches them at another moment still
-  issues the same collectives. If they are never recomputed, the final
-  callback gathers them and reduces zeros (their ``p.grad`` stays None).
-(One order for both gathered the whole model at the root's pre-backward.)
-Ranks never diverge, and a parameter used on only some ranks still gets the
-rank-average gradient. At most one unit's reduce-scatters are in flight at a
-time, so flat gradients are freed as backward proceeds.
+rank, but which backward hooks fire, and when, depends on each rank's graph.
+So backward collectives follow rank-independent orders derived from the
+forward, over the units whose forward ran with a backward to follow:
+- gather order: reverse of the units' LAST post-forward (the root first). A
+  unit needing its parameters in backward first gathers every unit before it.
+- reduce order: reverse of the units' FIRST pre-forward (the root last), then
+  the units an earlier backward left unreduced that did not run in this one
+  (``pending``). A ready unit waits for every trainable unit before it; the
+  final callback issues the rest, zero-filled where this rank has no gradient
+  (so every rank gets the rank average). A second process group carries them.
+- No-grad islands of the training forward (reentrant checkpoints) are in both
+  orders at the place of their forward; never recomputed, the final callback
+  gathers them and reduces zeros. At most one unit's reduce-scatters in flight.
 
 [Note: one order across communicators]
-NCCL also needs collectives on *different* communicators issued in the same
-order on every rank: a kernel waiting for its peers can hold the SMs or the
-only hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) that another
-communicator's kernel needs. So the two orders above are merged into ONE
-sequence, a function of the forward alone (the same on every rank):
+NCCL also needs collectives on *different* communicators issued in one order
+on every rank (a blocked kernel can hold the SMs or the one hardware queue
+another communicator needs), so the two orders are merged into ONE sequence,
+a function of the forward alone:
+- each reduce-scatter has a *slot* in the gather order: after the all-gathers
+  of every unit whose forward ended after its unit's first forward began, and
+  of every unit in its checkpoint region (non-reentrant, or the islands of one
+  reentrant ``CheckpointFunction``), plus what those prefetch; never before an
+  earlier unit's slot. It goes out, in reduce order, once ready and once its
+  slot's all-gather is issued;
+- a demand for an all-gather first issues the reduce-scatters slotted before
+  it, zero-filled where ``_compat.will_execute`` says no gradient comes (the
+  engine's decreasing sequence numbers complete them before it, or never).
+Outside the sequence (hook timing, equal on ranks with equal graphs): a
+second gradient for a unit already reduced, and the user's ``unshard()``.
 
-- every reduce-scatter gets a *slot* in the gather order: the index of the
-  last all-gather that must be issued before it. Unit u's gradient can need
-  the all-gathers of every unit whose forward ended after u's first forward
-  began (consumers of u's output; u itself), and of every unit in the same
-  checkpoint region (its recompute gathers them all before any of their
-  gradients exists; non-reentrant, or reentrant: no-grad islands whose forward
-  ran in one ``CheckpointFunction``). Its slot is the largest gather index among
-  those, extended by what any of them prefetches (so a unit's backward
-  prefetch is issued before its reduce-scatter, as FSDP2 does), and never
-  before the slot of an earlier unit in the reduce order;
-- reduce-scatters are issued in the reduce order, each once ready and once
-  its slot's all-gather is issued; all-gathers as now, on demand;
-- a demand for an all-gather comes from unit w's pre-backward (or the
-  recompute of w's region). Every reduce-scatter slotted before that
-  all-gather belongs to a unit whose forward began after w's ended: the
-  engine runs backward nodes in decreasing sequence number, so such a unit's
-  gradient (its split node, made at its pre-forward) is complete before w's
-  pre-backward, or it never comes on this rank. The demand therefore issues
-  those reduce-scatters first, zero-filled where no gradient came (the engine
-  confirms: ``_compat.will_execute``); a rank never waits for a gradient that
-  depends on a collective it has not issued. The root's final callback
-  issues whatever is left, in the same sequence.
-
-Outside the sequence, as before (hook timing, equal on ranks whose graphs
-are equal): a second gradient for a unit already reduced, and the user's own
-``unshard()``. The part of a unit's gradient that a nested (reentrant
-checkpoint) backward brings is not reduced alone when the outer backward
-brings another part (asked of the engine at the unit's pre-backward): one
-reduce-scatter of the sum, whatever each rank's graph.
+A gradient part that a nested (reentrant checkpoint) backward brings is not
+reduced alone when the outer backward brings another part (asked of the
+engine at the unit's pre-backward): one reduce-scatter of the sum.
 """
 from __future__ import annotations
 
@@ -131,41 +100,21 @@ class BackwardSchedule:
         return self.plan.reduce_order
 
     def grads_computed(self, unit: Unit, group) -> None:
-        """[Note: gloo backward] ``group``'s split node is about to ``cat`` the
-        gradients of its views into the flat gradient (``unit`` reports it,
-        from the node's pre-hook): all of them are computed, and that cat,
-        with the views' gradients still alive, is the peak of a unit's
-        backward. Where waiting blocks the CPU (gloo), first:
+        """[Note: gloo backward] ``group``'s split node is about to ``cat`` its
+        views' gradients into the flat gradient (``unit`` reports it from the
+        node's pre-hook): all are computed, and that cat is the peak of a
+        unit's backward. Where waiting blocks the CPU (gloo), first, in order:
 
-        1. free the group's unsharded flat, instead of at the post-backward
-           (``RootContext.reshard``, GRADS_COMPUTED): every backward node that
-           reads its views has run (each produces a gradient for them) and the
-           cat reads none. Only for a unit used once this step, outside a
-           nested (reentrant) backward: with several uses each use's views
-           have their own split node, and an earlier use still reads the
-           parameters. Per group: another group's views may still be read;
-        2. only then prefetch the next unit(s) of the gather order (see
-           ``RootContext.gather``: such a unit did not prefetch at its
-           pre-backward), so at most one unsharded unit is alive with the
-           gradients and the reduce-scatter in flight (a no-op for what was
-           prefetched);
-        3. finish the reduce-scatter in flight (the previous unit's: its
-           gradient shard is made, its flat gradient freed), instead of at this
-           unit's post-backward right after the cat.
-
-        The order is for the allocator: each buffer is freed right before the
-        one of its size that replaces it is made (this unit's flat, then the
-        next unit's; the previous unit's flat gradient, once its shard is
-        copied out, then this unit's cat), so the same block is handed back.
-        Waiting first freed two same-size buffers before either replacement
-        was made, and glibc's heap grew instead: peak RSS rose by about a
-        model's worth of flat gradients every step on a deep stack of 8 MB
-        units (below glibc's mmap threshold); see docs/design.md, "Backward
-        on gloo".
-
-        On NCCL a wait only orders streams (waiting here would stall compute)
-        and the schedule is FSDP2's. Measured in docs/design.md ("Backward on
-        gloo").
+        1. free the group's unsharded flat (``Reshard.GRADS_COMPUTED``): no
+           node left reads its views. Only for a unit used once this step,
+           outside a nested backward (each use has its own split node);
+        2. then prefetch the next unit(s) of the gather order (such a unit did
+           not prefetch at its pre-backward): one unsharded unit at the peak;
+        3. finish the reduce-scatter in flight (the previous unit's).
+        Each buffer is freed right before the one of its size that replaces
+        it is made, so glibc's heap hands the same block back (docs/design.md,
+        "Backward on gloo"). On NCCL a wait only orders streams (waiting here
+        would stall compute): the schedule is FSDP2's.
         """
         ctx = self.ctx
         ctx.reshard(unit, Reshard.GRADS_COMPUTED, group=group)

@@ -1,44 +1,28 @@
 """State dicts in FSDP2's form, converted from and to our row layout.
+Decisions and measurements: docs/design.md, "Checkpoints".
 
 [Note: state dicts in FSDP2's form]
-Training keeps the zero-copy row layout: rank r holds a block of whole dim-0
-rows of each parameter, where the flat buffer's rank boundaries fall
-([Note: shard layout] in _layout.py). The ecosystem (torch's
-``torch.distributed.checkpoint.state_dict``, DCP, accelerate, the
-transformers Trainer, torchtitan) expects what FSDP2's ``state_dict()``
-holds: per sharded parameter, and per per-element optimizer state of it, a
+Training keeps our row layout ([Note: shard layout] in _layout.py); a state
+dict holds what FSDP2's does (what DCP, accelerate, the Trainer, torchtitan
+expect): per sharded parameter, and per per-element optimizer state of it, a
 ``DTensor`` of the global shape placed ``Shard(0)`` over the shard mesh
-(``(Replicate(), Shard(0))`` for HSDP): rank r holds rows
-``[r·c, (r+1)·c)`` with ``c = ceil(rows / world)`` (torch.chunk's split).
-Those rows are not ours, so taking a state dict *redistributes*: per
-parameter (per state tensor), one all-gather of the ranks' row pieces
-(padded to the largest) over the shard group, then this rank keeps a copy of
-its chunk. Loading reverses it: a DTensor's ``full_tensor()`` (any
-placements: FSDP2's, ours, a replicated one), then this rank's rows. So
-``model.state_dict()`` and ``optimizer.state_dict()`` are collectives on
-sharded models: every rank calls them, for the same parameters, in the same
-order (as every stack does). Peak extra memory: one parameter whole, plus
-the state dict's own copy of this rank's chunks.
+(``(Replicate(), Shard(0))`` for HSDP), rank r holding torch.chunk's rows
+``[r·c, (r+1)·c)``, ``c = ceil(rows / world)``: a copy, made by one
+all-to-all per tensor (``redistribute``). Loading converts back: our own form
+by the all-to-all, any other DTensor by ``full_tensor()``, a full tensor by
+copying this rank's rows. So ``state_dict()`` and ``load_state_dict()`` (model
+and optimizer) are collectives: every rank calls them, for the same keys, in
+the same order. A TP parameter is its TP DTensor (each dp rank holding the
+whole TP shard); a 0-d one a ``Replicate`` DTensor; on meta (before
+``to_empty``) meta DTensors and no collective; ``load_state_dict(...,
+assign=True)`` into a model on meta gives it storage first.
 
-A tensor-parallel (DTensor) parameter comes out as its TP DTensor (the
-placements ``parallelize_module`` gave it), each dp rank holding the whole TP
-shard (gathered over dp): replicated over dp, which DCP saves once.
-
-0-d parameters are ``Replicate`` DTensors. On the meta device (a state dict
-taken before ``to_empty``, as accelerate's ``cpu_ram_efficient_loading``
-does) the DTensors are meta too, with the same shapes and placements, and no
-collective runs; ``load_state_dict(..., assign=True)`` into such a model
-gives it storage first.
-
-Optimizer state: ``optimizer.state_dict()`` and ``load_state_dict()`` get a
-post-hook and a pre-hook (per optimizer, attached at its first step by the
-optimizer check in _torch_hooks.py; an optimizer loaded before its first
-step holds DTensors until that step converts them). Which parameters and
-keys exist is merged over the ranks (one object all-gather): an optimizer
-that needs whole tensors keeps no state for a parameter on a rank that holds
-no rows of it, but that rank's chunk may not be empty (an element-wise one
-keeps empty state there, as in training: [Note: empty pieces] in
-_grad_path.py).
+Optimizer state: ``optimizer.state_dict()`` / ``load_state_dict()`` get a
+post-hook / pre-hook, attached at the optimizer's first step by the optimizer
+check in _torch_hooks.py (state loaded before it stays DTensors until that
+step). Which parameters and keys exist is merged over the ranks (one object
+all-gather): a rank may hold no state for a parameter whose chunk is not
+empty there ([Note: empty pieces] in _grad_path.py).
 """
 from __future__ import annotations
 

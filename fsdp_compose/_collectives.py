@@ -8,47 +8,21 @@ launches the NCCL kernel on that (current) stream, and the returned handle is
 already complete (see [Note: side streams] in _streams.py).
 
 [Note: gloo collectives]
-gloo's tensor all-gather and reduce-scatter are not in place: the all-gather
-copies the input into a temporary and the gathered temporary into the output,
-and the reduce-scatter clones its whole (world·S) input, all-reduces the clone
-and copies one slice out. Each fresh temporary is also page-faulted in (large
-CPU allocations are mmap'd). So for CPU tensors on gloo we issue what those
-are made of, in place on our own buffers:
-
-* all-gather = one ``broadcast`` per rank of that rank's chunk of the output
-  (every chunk is a contiguous view; ours already holds our shard);
-* reduce-scatter = ``all_reduce`` of the flat gradient in place, then our
-  chunk copied out when the caller waits (the rest of the flat gradient is
-  garbage the caller drops anyway);
-* over 2 ranks, a small reduce-scatter (input at most ``P2P_MAX_BYTES``) =
-  a point-to-point exchange instead: the peer's chunk is sent to it
-  (``isend``), ours is received from it (``irecv``) into the result, and
-  our own chunk is added when the caller waits (one addition: the same bits
-  as the all-reduce). gloo's all-reduce makes a scratch buffer of half the
-  input on its worker thread, each time; below glibc's mmap threshold that
-  comes from the worker thread's own heap (arena), which keeps its
-  high-water mark: about 1 MiB of resident memory per worker thread with
-  1 MiB buckets (an allocation shim logged the 504 KiB scratch on both
-  worker threads every step). The exchange allocates nothing but the
-  result, on the caller's thread, and sends half the bytes of the ring
-  all-reduce; on 2 gloo ranks it took 0.30 vs 0.45 ms at 32 KiB and
-  0.39-0.47 vs 0.70-0.76 ms at 512 KiB (median of 60, two runs, busy
-  machine). Larger inputs keep the all-reduce (the result would exist while
-  the exchange is in flight: peak RSS +26 MiB on the benchmarks' memory
-  shape), and so do more ranks (a sum of 3 or more chunks in another order
-  than gloo's ring would change the bits with the path). Point-to-point
-  messages are matched by (peer, tag) in issue order, so the group must
-  carry no one else's: the reduce-scatter group is fully_shard's own
-  (_fully_shard._reduce_scatter_group).
-
-Measured on 2 gloo ranks (``python -m benchmarks.collectives``, median of
-11): at 64 MiB all-gather 119 -> 70 ms wall, 101 -> 45 ms CPU; reduce-scatter
-129 -> 95 ms wall, 114 -> 78 ms CPU; no extra world·S temporary. The same at
-4-16 MiB and at 4 ranks. From 64 KiB to 2 MiB wall times are within noise of
-each other (one run had the all-gather up to 1.3-1.8x slower, the next at
-0.88-1.07x) while CPU time stays lower (0.74-0.89x), so the in-place path is
-used at every size: on these machines compute shares the cores with gloo.
-NCCL keeps its reduce-scatter and all-gather.
+gloo's tensor all-gather and reduce-scatter are not in place (temporaries of
+the whole input or output, page-faulted in each time), so for CPU tensors on
+gloo we issue what they are made of, in place on our own buffers:
+* all-gather = one ``broadcast`` per rank of that rank's chunk of the output;
+* reduce-scatter = ``all_reduce`` of the flat gradient in place, our chunk
+  copied out when the caller waits (the rest is garbage the caller drops);
+* over 2 ranks, input at most ``P2P_MAX_BYTES``: a point-to-point exchange
+  (``isend`` the peer's chunk, ``irecv`` ours into the result, our own chunk
+  added at the wait: one addition, the all-reduce's bits), which leaves no
+  scratch in gloo's worker-thread heaps. Larger inputs and more ranks keep
+  the all-reduce (memory in flight; a 3-term sum in another order changes
+  bits). Messages match by (peer, tag) in issue order, so the group carries
+  no one else's: it is fully_shard's own (_fully_shard._reduce_scatter_group).
+NCCL keeps its reduce-scatter and all-gather. Measurements: docs/design.md,
+"Choosing the collective (gloo)" and "Peak RSS of small units".
 """
 from __future__ import annotations
 

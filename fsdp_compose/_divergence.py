@@ -1,90 +1,48 @@
-"""Ranks that diverge: an error on every rank, in bounded time.
+"""Ranks that diverge: a ``DivergenceError`` on every rank, in bounded time.
+Measurements and history: docs/design.md, "Divergence".
 
 [Note: divergence]
-Collectives pair by position: the n-th collective a rank issues on a process
-group meets the n-th of every other rank. When ranks do different things (a
-different number of forwards or backwards, different settings, different
-parameters, or one rank leaving a step after an exception) a rank's
-collective meets a different one elsewhere, or nobody: on gloo a size
-mismatch kills a process without a Python error, a missing peer blocks until
-the process group's timeout (30 min by default). Three mechanisms turn that
-into a ``DivergenceError`` on every rank, naming the unit, the collective and
-what each rank did:
-
-1. **Lazy-init check.** When a root initialises, one all-reduce (MAX over
-   ``[v, -v]``, so every rank learns each field's maximum and minimum) of a
-   fixed-size vector: the number of units and a hash of every unit's layout
-   (FQNs, shapes, dtypes, requires_grad, shard sizes). Every rank gets the
-   same result, so a mismatch is seen by all of them at once.
-2. **Step check** (on by default; FSDP_COMPOSE_STEP_CHECK=0 turns it off).
-   The same fixed-size all-reduce at the start of each root forward (training
-   or eval) and, on CUDA, at the first hook of each outer backward, before
-   that phase's first collective: the phase, the optimizer steps in the
-   root's lifetime (counted by the optimizer step pre-hook, over optimizers
-   holding parameters sharded over several ranks), the root forwards and
-   backwards since the last optimizer step, and a hash of the settings that
-   shape the collective schedule (gradient sync, HSDP all-reduce, trainable
-   groups, resharding, prefetch, buckets). Everything between two checks is
-   a function of what the check covers, so two ranks in different phases
-   meet at the same fixed-size collective instead of pairing it with a
-   parameter all-gather, see different vectors, and raise. On gloo the
-   backward's check is left out, see [Note: one check per step].
-   On a mismatch each rank posts a few lines on what it did to the default
-   store (``_compat.default_store``); the group's first rank reads them and
-   posts a summary (the lines that differ, and which ranks said what), which
-   every rank puts in its error. No further collective is issued.
-3. **Leaving through the store.** A rank that finds its last step left
-   half-done (an exception inside forward or backward, caught by the user's
-   loop) cannot know which collectives the others are waiting in: it posts
-   how many collectives it issued to the store, issuing nothing, and waits
-   for every rank's word. If every rank left the step after the same
-   collective (the same exception everywhere), they are in step and the step
-   is dropped, as with one rank; else it raises. Every wait for a gloo
-   collective waits in slices of ``SLICE`` and reads the store between
-   slices (a rank's word that it left a step is one); a collective that
-   fails (a peer exited: gloo's connection error; the process group's
-   timeout) becomes our error, naming the unit and the collective. Every ``DivergenceError`` posts its record, and a rank that
-   raised one raises again at its next step without communicating.
+Collectives pair by position (a group's n-th on every rank), so ranks that do
+different things pair the wrong ones: a crash or a hang. Three mechanisms
+make it a DivergenceError on every rank, naming the unit, the collective and
+what each rank did, with no further collective issued:
+1. Lazy-init check: one all-reduce (MAX of ``[v, -v]``: each field's max and
+   min everywhere) of the unit count and a hash of every unit's layout.
+2. Step check (FSDP_COMPOSE_STEP_CHECK, default on): the same at each root
+   forward's start (CUDA: and outer backward's) of the phase, the optimizer
+   steps, forwards and backwards since the last step, and the schedule
+   settings' hash; all between two checks is a function of these. On a
+   mismatch each rank posts its lines and the group's first rank summarises.
+3. A rank that left a step half-done posts its collective count to the store
+   and waits for every rank's (all alike: the step is dropped; else raise).
+   Gloo waits run in ``SLICE``s, reading the store between; a failed one
+   becomes our error; a rank that raised raises again at its next step.
 
 [Note: one check per step]
-On gloo a check is one collective round trip, as costly as a tiny all-gather
-(4-7% of a step on the overhead benchmark with two per step). Only the
-forward's is issued: a rank in a backward still never pairs a parameter
-collective with another rank's check. A check is an all-reduce, and gloo
-pairs only collectives of the same kind; the backward's first collective on
-a check's group is an all-gather (broadcasts), or a reduce-scatter on its own
-group, and every later one (an HSDP all-reduce across replicas included)
-waits for it. So the rank in the check and the rank in the backward both
-wait. That wait is resolved through the store: a rank
-waiting in a check for a slice posts its check's number and its position in
-every group's sequence of collectives (``next_op``, counted by
-_collectives); a rank blocked for a slice in a collective reads it, and if
-the peer waits in a check this rank has not issued and has not issued the
-collective this rank waits for, the peer never will: this rank raises a
-DivergenceError naming what both began and posts its record, which the peer
-reads within a slice. A peer that is merely slow has issued that collective
-(or is not waiting in a check), so nothing is raised. What the backward's
-check caught before is caught at the next forward's check (a different
-setting, a different number of backwards) or by that rule (one rank in a
-backward, the other in a forward); a setting changed between forward and
-backward on one rank only is seen at the next forward's check, or by the
-rule when a reduce-scatter is missing.
+On gloo only the forward's step check is issued (each costs a round trip).
+A rank in a backward still never pairs a parameter collective with another's
+check: gloo pairs only collectives of the same kind, and the backward's first
+collective on a group (an all-gather, or a reduce-scatter) is waited for by
+every later one, so both ranks wait. The store resolves that wait: a rank
+waiting in a check for a slice posts the check's number and its position in
+every group (``next_op``); a rank blocked for a slice in a collective reads
+it, and if the peer waits in a check this rank has not issued and has not
+issued the collective this rank waits for, it never will: raise, naming what
+both began, and post the record (the peer reads it within a slice). A slow
+peer has issued that collective (or waits in no check): nothing is raised.
+What a backward check would catch is caught at the next forward's or here.
 
 [Note: step check on CUDA]
-NCCL pairs the n-th collectives of a communicator whatever their kind and
-size, so on CUDA both phases are checked, and a check must be compared
-before its phase issues anything: the phase's first collective could
-otherwise pair an all-gather with another rank's differently sized one
-(a hang, or bytes written where they do not belong). The check's all-reduce
-(on the current stream), a copy of its result to pinned host memory and ONE
-event for every group of the check (HSDP: both) are enqueued at the phase
-start; ``settle`` (before the phase's first collective, as on gloo) polls
-that event, reading the store every ``SLICE`` for a peer's record, then
-compares. The CPU waits until the GPU reached the phase start: twice a step
-the stream drains up to there (measured in docs/design.md, "Divergence").
-A rank blocked on the GPU in a collective is not seen by the CPU; there
-NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the process group
-timeout) ends the process.
+NCCL pairs a communicator's n-th collectives whatever their kind and size, so
+on CUDA both phases are checked and a check is compared before its phase
+issues anything (else an all-gather could pair with a differently sized one:
+a hang, or bytes written where they do not belong). The check's all-reduce
+(current stream), a copy of its result to pinned host memory per group and ONE
+event are enqueued at the phase start; ``settle`` (the phase's first
+``next_op``) polls the event, reading the store every ``SLICE`` for a peer's
+record, then compares: the CPU waits for the GPU at each phase start. A rank
+blocked on the GPU in a collective is invisible to its CPU; NCCL's watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the group's timeout) ends that process.
 """
 from __future__ import annotations
 

@@ -13,45 +13,21 @@ catches up (``RootContext.gather`` / ``reshard``). Forward prefetch and
 gather buckets are the root's (``RootContext.prefetch_forward``).
 
 [Note: forward order]
-Forward all-gathers are issued at pre-forward hooks, so a unit whose forward
-runs on some ranks only (an expert no token was routed to here, an ``if`` on
-data) would leave the ranks' all-gathers unpaired: a hang, a size mismatch, or
-silently wrong parameters where two units have the same size. So every rank
-follows ONE order of unit forwards, a sequence of events ``+u`` (u's forward
-starts: it is gathered) and ``-u`` (it ends), per kind of root forward (the
-method run, training or eval; an eval forward follows its method's training
-order once there is one):
-
-- *Follow* (the steady state; no collective of its own). At each of its own
-  events a rank finds the next such event in the order. The events before
-  it, which this rank skipped, it *catches up* first: a ``+v`` all-gathers v
-  (and its forward prefetch) as v's pre-forward would, a ``-v`` reshards v as
-  its post-forward would (a unit skipped here is gathered and freed at once
-  unless it keeps its parameters after forward), and both are recorded in the
-  step's bookkeeping (``_step_order``, the clocks, ``_in_orders`` when a
-  backward follows it elsewhere) at their place in the order. So the sharded
-  states, the forward prefetches and gather buckets (which walk the recorded
-  order), the backward's gather and reduce orders and slots are the same on
-  every rank; a unit skipped here gets no gradient here, and its
-  reduce-scatter is zero-filled (every rank gets the rank average, as DDP
-  with ``find_unused_parameters=True``). A rank whose event is not in the
-  rest of the order (a unit outside it, called more often, run after its
-  place passed, or nested otherwise) raises before any collective of its
-  own: it cannot go on alone.
-- *Agree* (a kind's first forwards, or every forward with
-  ``set_forward_order_dynamic(True)``). At each event the ranks all-reduce
-  (min) a code of the event each wants next (a ``+u``: u's index in module
-  order; a ``-u``: after every ``+``, innermost open unit first, with what
-  follows u's forward); every rank then does the winning event, catching it
-  up if it was not its own. A unit gathered for another rank's ``+v`` is held
-  (it may run here before its ``-v``). The agreed sequence is the same on
-  every rank by construction; a training forward then labels its checkpoint
-  regions (min all-reduces of each rank's labels until none lowers). Cost:
-  one 8-byte all-reduce per event (per group: shard, then replicate), a host
-  sync each on NCCL.
-- Learning: the agreed orders of a kind are merged (units missing from the
-  order are inserted where the newer order has them) until the order holds
-  every unit, or LEARNING_FORWARDS forwards agreed; then the kind follows.
+A unit whose forward runs on some ranks only (an expert no token was routed
+to, an ``if`` on data) would leave forward all-gathers unpaired, so every rank
+follows ONE order of events ``+u`` (u's forward starts: gathered) and ``-u``
+(it ends) per kind of root forward (method; training, or eval, which follows
+its method's training order once there is one). Protocol: docs/design.md,
+"Units skipped on some ranks".
+- *Follow* (steady state, no collective of its own): at each of its events a
+  rank first *catches up* the skipped events before it (``+v`` all-gathers v
+  and its prefetch, ``-v`` reshards v; both recorded at their place), so the
+  sharded states, prefetches, buckets and backward orders match on every
+  rank; a skipped unit's reduce-scatter is zero-filled. An event not in the
+  rest of the order raises before any collective of its own.
+- *Agree* (a kind's first forwards, or ``set_forward_order_dynamic(True)``):
+  per event the ranks all-reduce (min) a code of the event each wants next
+  and all do the winner; the agreed orders merge until one holds every unit.
 """
 from __future__ import annotations
 

@@ -374,29 +374,19 @@ def _units_of(modules, where: str) -> list[Unit]:
 
 
 # [Note: casts after fully_shard]
-# ``nn.Module._apply`` (behind ``to``, ``cuda``, ``cpu``, ``half``, ``double``,
-# ``float``, ``to_empty`` ...) replaces what each module's ``_parameters`` slot
-# holds: by default it sets ``p.data`` to ``fn(p)`` (the Parameter object stays,
-# but no longer views our shard); with
-# ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` it puts
-# a new Parameter in the slot; with ``set_swap_module_params_on_conversion(True)``
-# it swaps the object's contents (``torch.utils.swap_tensors``, which refuses
-# tensors with weak references). FSDP2 re-reads its sharded parameters after
-# ``_apply`` (``FSDPParam.reset_sharded_param``); so do we, per unit:
+# ``nn.Module._apply`` (``to``, ``cuda``, ``half``, ``to_empty`` ...) replaces
+# what each ``_parameters`` slot holds (``p.data = fn(p)`` by default; a new
+# Parameter, or swapped contents, under torch.__future__'s flags), cutting it
+# off from our shard. FSDP2 re-reads its sharded parameters after ``_apply``;
+# so do we, per unit:
 # - before: every unit below the outermost module ``_apply`` runs on must be
-#   idle; in-flight reduce-scatters are folded, units resharded (the modules
-#   then hold the sharded Parameters), and, for swap_tensors, our weak
-#   references to the Parameters and their gradients are dropped;
-# - after: each group whose Parameters ``_apply`` changed (other object, dtype,
-#   device, or storage) gets a new shard built from them
-#   (``FlatGroup.adopt_params``), keeping the Parameter objects the modules now
-#   hold: an optimizer built after the cast steps the new shard. All of a
-#   group's Parameters must have changed alike, else the error names them (a
-#   module *inside* a unit was cast alone). Once any group of a unit changed,
-#   every group of it is re-made (their flats are new leaves) and the unit
-#   re-hooks them; the units' root context is dropped, so the next forward
-#   runs lazy init again (which groups are direct, passive units and
-#   ``reshard_after_forward`` at world size 1 may have changed).
+#   idle; in-flight reduce-scatters are folded, units resharded, and, for
+#   swap_tensors (which refuses them), our weak references dropped;
+# - after: each group whose Parameters changed (object, dtype, device or
+#   storage) gets a new shard built from them (``FlatGroup.adopt_params``),
+#   keeping the Parameter objects the modules hold; they must all have changed
+#   alike, else an error names them. A changed unit re-makes and re-hooks every
+#   group, and its root context is dropped: the next forward runs lazy init.
 # Nested ``_apply`` calls (the children of the outermost module) only recurse.
 _APPLYING = False
 
@@ -505,27 +495,19 @@ def make_fsdp_module(module: nn.Module) -> None:
 
 
 # [Note: torch.compile]
-# The forward hooks all-gather, wait, free storage and keep Python state (the
-# training state, the step's order): none of it can be in a graph, and dynamo
-# tracing into it broke the graph at every storage check, collective wait and
-# autograd-node access. So the hooks are ``torch.compiler.disable``d, as
-# FSDP2's are: dynamo never traces them, and the compiled region is the
-# module's own math.
-# - ``block.compile()`` (before or after fully_shard) compiles ``_call_impl``:
-#   a disabled hook in its hook loop makes dynamo run that frame eagerly
-#   (counted as a skipped frame, not a graph break) and compile ``forward``
-#   alone: one graph for all blocks of one code, 0 breaks, fullgraph=True too.
-# - ``torch.compile(model)``: the root's ``forward`` reaches each sharded
-#   child's hooks: a break there (or, inside a loop over blocks, the whole root
-#   frame runs eagerly and each block's ``forward`` is compiled alone). The
-#   same breaks and graphs as FSDP2 on the same model; ``fullgraph=True``
-#   fails here, as it does for FSDP2 and DDP (README, "torch.compile").
-# Guards hold across steps although ``refresh_views`` makes new view objects
-# at every training forward: dynamo guards a module's tensors by their
-# properties (dtype, device, shape, stride, requires_grad), not their identity
-# (measured: no recompile after the first step; docs/design.md).
-# The backward hooks run in the autograd engine, outside dynamo (compiled
-# autograd is not supported). Disabling costs ~0.4 us per hook call in eager.
+# The forward hooks all-gather, wait, free storage and keep Python state: none
+# of it can be in a graph, so they are ``torch.compiler.disable``d, as FSDP2's
+# are; the compiled region is the module's own math (docs/design.md).
+# - ``block.compile()`` compiles ``_call_impl``: a disabled hook in its hook
+#   loop makes dynamo run that frame eagerly (a skipped frame, not a break)
+#   and compile ``forward`` alone: one graph per block code, 0 breaks.
+# - ``torch.compile(model)``: a break at each sharded child's hooks (in a loop
+#   over blocks, the root frame runs eagerly): FSDP2's breaks and graphs;
+#   ``fullgraph=True`` fails, as for FSDP2 and DDP.
+# Guards hold across steps although ``refresh_views`` makes new views at every
+# training forward: dynamo guards a module's tensors by their properties, not
+# their identity. The backward hooks run in the autograd engine, outside
+# dynamo (compiled autograd is not supported).
 _EAGER = ("fsdp_compose's forward hooks gather and free parameters with collectives; they run "
           "eagerly around the compiled forward (README, 'torch.compile')")
 

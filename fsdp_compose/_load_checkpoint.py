@@ -1,95 +1,40 @@
 """Loading a DCP checkpoint so that a failed load changes nothing.
+Decisions, tests and measurements: docs/design.md, "Checkpoints".
 
 [Note: verified load]
-``torch.distributed.checkpoint.load`` reads into the tensors of the state dict
-it is given, one item after the other. Given ``get_state_dict``'s tensors and
-then ``set_state_dict`` (the plain recipe), a load that fails half way (a
-truncated or corrupted file, on any rank) has already overwritten part of the
-parameters and optimizer state, on every rank that read something, and it
-raises ``CheckpointException``, a ``BaseException`` that ``except Exception``
-does not catch.
-
-``load_checkpoint`` (default, ``staged=False``) verifies everything first,
-then loads in place through a bounded buffer. In both modes the local checks
-that need no checkpoint (every unit idle and not on meta; an optimizer
-without state holds no gradients) come first and are agreed (one object
-all-gather), so that a rank that cannot load never leaves the others in the
-collective of step 1.
-
-1. *Describe* (``_InPlace.__init__``): the state dict's structure with meta
-   tensors in place of values (``get_state_dict`` under ``shapes_only()``: the
-   same keys, global shapes, dtypes, meshes and placements as the real one,
-   so DCP plans the same reads, including a reshard from any world size; no
-   copy, no collective but the optimizer hook's object all-gather).
-2. *Verify* (local): ``dcp.load(..., no_dist=True)`` into that description,
-   with the planner that also refuses a dtype other than the model's and, for
-   a file-system checkpoint, the reader that checks each item's CRC-32. DCP
-   reads every item this rank will read with the same code as the real load
-   (a missing key, another shape or dtype, a missing, truncated or corrupted
-   file raise here) and copies the tensors into meta tensors, which keeps
-   nothing; non-tensor values (param_groups) are kept. Then the checks of the
-   staged path's step 3 (every tensor is still a tensor; the optimizer dicts
-   build).
-3. *Agree* (one object all-gather): every rank's error, and a fingerprint of
-   its description (keys, shapes, dtypes), which must be the same on every
-   rank (the batches below, and the collectives in them, follow it). Any
-   error anywhere: every rank raises ``CheckpointLoadError``, nothing changed.
-4. *Load* in batches of consecutive tensors, each batch at most
-   ``buffer_bytes`` (counting each tensor's largest chunk on any rank, so the
-   batches are the same on every rank; a tensor larger than that is a batch of
-   its own). Per batch: ``dcp.load(no_dist=True)`` of the batch into fresh
-   tensors (CRC-checked again), one object all-gather of the errors, then the
-   batch is written into the live tensors (the model's through
-   ``model.load_state_dict`` of the batch, whose hooks' all-to-alls write
-   into the shards; optimizer state through ``_load_entry``'s all-to-all
-   straight into the live state tensor), and its buffer freed. After the
-   last batch, ``optimizer.load_state_dict`` of the live tensors and the
-   checkpoint's param_groups (it adopts them: no copy).
-
-What stays unprotected: a fault between verification and a batch's read (the
-checkpoint's files changed or removed, the storage failing in that window).
-The read's CRC check still finds it (a changed byte is never loaded
-silently) and every rank raises ``CheckpointLoadError``, but with
-``partial=True`` when earlier batches were written: the same leading tensors
-on every rank hold the checkpoint's values, the rest their previous ones. A
-complete load of any checkpoint overwrites all of it again. Where that
-window matters, ``staged=True`` (below) closes it at the price of one copy
-of the state.
+``dcp.load`` writes item by item into the tensors it is given, so with the plain
+recipe a read failing half way has overwritten part of the state on every rank
+that read (and raises ``CheckpointException``, a BaseException). ``load_checkpoint``
+(default) first agrees the local checks (one object all-gather), then (``_InPlace``):
+1. *Describe*: ``get_state_dict`` under ``shapes_only()``, meta tensors: DCP
+   plans the same reads (a reshard from any world size included), no copy.
+2. *Verify* (local): ``dcp.load(no_dist=True)`` into it with the dtype-checking
+   planner and the CRC-checking reader: every read of the real load, nothing kept.
+3. *Agree*: every rank's error and its description's fingerprint (the batches
+   and their collectives follow it); any error: every rank raises, nothing changed.
+4. *Load* in batches of at most ``buffer_bytes`` (each tensor's largest chunk on
+   any rank: the same batches everywhere): read, agree, write into live tensors.
+A fault after verification is still found (CRC) and raised on every rank, with
+``partial=True`` once a batch was written (the same tensors on every rank).
 
 [Note: staged load]
-``load_checkpoint(..., staged=True)`` is transactional with no window, in
-four steps:
+``load_checkpoint(..., staged=True)`` has no such window, at the price of one
+more copy of this rank's parameter shards, buffers and optimizer state on
+``staging_device`` (CPU by default), held until the commit:
+1. *Stage* (local): a state dict of the live one's structure (same placements:
+   DCP still reshards) over fresh tensors on ``staging_device``.
+2. *Read*: ``dcp.load`` into it (dtype-checking planner, CRC-checking reader).
+3. *Check* (local): every staged tensor is still ours; the optimizer dicts build
+   (``_optim_load_dict``) without touching the optimizers.
+4. *Agree, then commit*: after 1 and after 2-3, one object all-gather of each
+   rank's error; any: every rank raises ``CheckpointLoadError``, nothing changed.
+   Else every rank converts to its rows into the shards and the live optimizer
+   tensors (``_into_live``, ``_copy_into_live``), then ``load_state_dict``: only
+   checked keys, shapes and dtypes are written, so no rank half-applies.
 
-1. *Stage* (local): a state dict of the same structure as the live one (the
-   same DTensor placements, so DCP still reshards from any world size) whose
-   tensors are fresh allocations on ``staging_device``.
-2. *Read*: ``dcp.load`` into the staging dict, with the dtype-checking planner
-   and the CRC-checking reader. DCP turns a failure on any rank into a
-   ``CheckpointException`` on every rank.
-3. *Check* (local): every staged tensor is still the one we allocated (the
-   checkpoint held a tensor there), and the optimizer state dicts to load are
-   built (``_optim_load_dict``, which raises on a checkpoint for another
-   optimizer) without touching the optimizers.
-4. *Agree, then commit*: after step 1 and after steps 2-3, one object
-   all-gather of each rank's error (None where it went well). If any rank
-   failed, every rank raises ``CheckpointLoadError`` (a RuntimeError naming
-   each failed rank and what failed) with nothing changed. Otherwise every rank
-   copies the staged values into the live tensors (``model.load_state_dict``,
-   whose hooks copy each rank's piece into its shard; then
-   ``optimizer.load_state_dict`` with the staged state, which it adopts, or,
-   staged on another device than the live state, copied into the live tensors
-   first, so an accelerator's memory does not grow). The commit only copies
-   and adopts values of checked keys, shapes and dtypes, so no rank
-   half-applies.
-
-Cost: the staging copy, one more copy of this rank's parameter shards,
-buffers and optimizer state, held from step 1 to the commit (measured in the
-README and docs/design.md). It lives on ``staging_device``, CPU by default,
-so an accelerator's memory does not grow.
-
-In both modes an optimizer with no state yet gets it from
-``get_state_dict``'s zero-gradient lr-0 step (so that its structure is
-known); on a failure that changed nothing that state is removed again.
+In both modes an optimizer with no state yet gets it from ``get_state_dict``'s
+zero-gradient lr-0 step (so that its structure is known); on a failure that
+changed nothing that state is removed again.
 """
 from __future__ import annotations
 

@@ -2,29 +2,19 @@
 storage and the values eager construction would have given it.
 
 [Note: meta init parity]
-Eager construction under a seed draws random numbers module by module as
-each ``__init__`` runs: a parent's ``__init__`` builds its children (each
-initialising itself) and then, by convention, initialises its own
-parameters (``reset_parameters()`` at the end of ``__init__``). So we visit
-modules in *post-order* (children first, in registration order, then the
-parent), and call ``reset_parameters()`` (or ``init_fn(module)``) on each
-module that owns a parameter or buffer that was on the meta device.
-
-During that call the module's own parameters are *full-shape* tensors on the
-real device (temporaries, NaN-filled), and every rank draws the same numbers
-(same RNG stream, same order); afterwards each rank copies its flat range
-into its shard and the temporaries are freed. No collective. Peak extra
-memory: one module's parameters.
-
-A parameter tied to an earlier module (an output head sharing the
-embedding's weight) was already initialised: the later module's init writes
-into a scratch tensor of the same shape, which it draws from the RNG exactly
-as eager construction did (eager construction initialised the head's own
-weight before the tie replaced it), and the scratch is discarded.
-
-A floating-point parameter or buffer still NaN afterwards was not
-initialised by its module: an error naming it (give the module a
-``reset_parameters()``, or pass ``init_fn``). Integer buffers are not checked.
+Eager construction under a seed draws random numbers module by module, a
+parent's ``reset_parameters()`` after its children's ``__init__``. So modules
+are visited in *post-order* (children first, in registration order), and each
+module owning a parameter or buffer that was on meta gets ``reset_parameters()``
+(or ``init_fn(module)``) with its own parameters as full-shape, NaN-filled
+temporaries on the real device: every rank draws the same numbers and copies
+its flat range into its shard. No collective; peak extra memory is one
+module's parameters. A parameter tied to an earlier module (a head sharing the
+embedding's weight) gets a scratch tensor of its shape, so the later module
+draws from the RNG exactly as eager construction did. A floating-point
+parameter or buffer still NaN afterwards is an error naming it (give the
+module a ``reset_parameters()``, or pass ``init_fn``); integer buffers are
+not checked.
 """
 from __future__ import annotations
 

@@ -13,58 +13,35 @@ caller.
 
 [Note: side streams] On CUDA every all-gather is issued on the manager's
 all-gather stream and every reduce-scatter on its reduce-scatter stream (two
-process groups, see _fully_shard._reduce_scatter_group, so they overlap each
-other and compute):
+process groups, see _fully_shard._reduce_scatter_group), high priority, made
+once per root; the all-reduce stream when an HSDP unit first needs it:
 
     compute:  ... writes the input ─ record E1 ..................... wait E2 ─ reads the output
     side:                  wait E1 ─ collective (async_op=False) ─ record E2
 
-- The collective is issued with ``async_op=False`` inside the side stream's
-  context: c10d (torch >= 2.8) then launches the NCCL kernel on the current
-  stream, i.e. on our high-priority side stream, and returns without blocking
-  the CPU. (``async_op=True`` would run it on the process group's internal
-  stream, at normal priority, and our stream would only relay its event.)
-- Everything the collective touches (input, output) is allocated on the
-  compute stream *before* switching to the side stream (the reduce-scatter's
-  output too), and the Pending keeps it alive until the compute stream has
-  waited E2. A block is therefore freed (to the compute stream's pool) only
-  once the compute stream is ordered after the side stream's last use: no
-  ``record_stream`` anywhere.
-- Nothing blocks the CPU, so ``waits_block_cpu`` is False and the backward
-  schedule is FSDP2's (see [Note: gloo backward] in _backward_schedule.py for what gloo
-  does instead).
-- The streams are created once per root (high priority, so communication
-  kernels are scheduled ahead of compute kernels queued at the same time);
-  the all-reduce stream only when an HSDP unit first needs it.
-- ``runtime`` is the seam for a test double on CPU (tests/test_streams.py,
-  tests/test_gpu_path.py): the protocol above is checked there; on CUDA it
-  is torch.cuda's. A root makes its manager at lazy init; tests choose its
-  runtime with ``runtime_factory(...)`` around the model's first forward.
+- ``async_op=False`` inside the side stream's context: c10d (torch >= 2.8)
+  launches the kernel on our stream, without blocking the CPU.
+- Everything the collective touches is allocated on the compute stream before
+  switching, and the Pending keeps it alive until compute waited E2: a block
+  is freed only once compute is ordered after its last use (no record_stream).
+- Nothing blocks the CPU (``waits_block_cpu`` False): the backward schedule is
+  FSDP2's (gloo's: [Note: gloo backward] in _backward_schedule.py).
 
-[Note: post-reduce] What follows a reduce-scatter on CUDA runs on a side
-stream, right after the collective is issued (``reduce_scatter(then=)``):
-the post-divide, the cast to the parameters' dtype, the fold into ``p.grad``,
-and with CPU offload the device-to-host copy (non-blocking, into pinned
-memory). With HSDP it runs on the all-reduce stream instead, which waits
-for the reduce-scatter and issues the all-reduce first. Two events: E2,
-recorded right after the reduce-scatter, is what ``Pending.wait()`` orders
-the compute stream after (the next unit's launch: the input may go); E3,
-after the post-reduce, is waited by the compute stream at the end of
-backward (``finish_backward``), as FSDP2 does, and the post-reduce's output
-is kept alive until then. Tensors made on the side stream (cast, clone, add)
-come from that stream's pool and are only reused by it after it waited a
-later compute event: every side-stream context starts by waiting the compute
-stream (``_on``), the forward-order agreement's included. If the post-reduce
-raises, the side stream still records its event and the compute stream
-waits for it before the error propagates. Work that reads host memory
-written by those copies (the fold of an offloaded gradient), and folds that
-need the used-flags' counts on the host (``after_backward``), wait for ONE
-CPU synchronisation at the end of backward, which also covers every
-host-to-device copy of the step's offloaded shards (``copy_in``): only after
-it may the optimizer rewrite a pinned shard that a non-blocking copy has not
-read yet (an eval forward synchronises at its end, ``end_eval_forward``).
-Every intended host synchronisation is marked ``runtime.intended_sync(why)``
-(tests/_cuda_rules.py flags the others inside forward and backward).
+[Note: post-reduce] What follows a reduce-scatter on CUDA (post-divide, cast,
+fold into ``p.grad``, offload's non-blocking copy to pinned host memory) runs
+on its side stream right after it (``reduce_scatter(then=)``); with HSDP on the
+all-reduce stream, which waits for the reduce-scatter and all-reduces first.
+E2 (after the collective) is what ``Pending.wait()`` orders compute after (the
+next unit's launch); E3 (after the post-reduce) compute waits for in
+``finish_backward``, and the post-reduce's output lives until then. Every
+side-stream context starts by waiting the compute stream (``_on``), so its
+pool's blocks are reused only after a later compute event. If the post-reduce
+raises, its event is still recorded and compute waits for it before the error
+propagates. Work reading those host copies, folds needing the used-flags'
+counts (``after_backward``) and the step's host-to-device copies (``copy_in``)
+wait for ONE synchronisation at the end of backward (eval: ``end_eval_forward``);
+only then may the optimizer rewrite a pinned shard. Every intended host
+synchronisation is marked ``runtime.intended_sync(why)`` (tests/_cuda_rules.py).
 """
 from __future__ import annotations
 
@@ -347,20 +324,15 @@ class StreamManager:
         ``holder``: an object whose ``flush()`` releases it early (see below).
 
         [Note: bucket buffers] On gloo each kind, dtype and device has one
-        buffer per root, made at the first bucket (the largest seen so far)
-        and kept. A bucket is made and dropped several times a step, and a
-        fresh block of its size each time (up to 1 MiB: heap memory, below
-        glibc's mmap threshold) left holes in the heap that later, smaller
-        allocations split, so the heap grew past its live bytes; kept, a
-        bucket costs its size once (peak RSS -1 to -1.5 MiB on the
-        benchmarks' overhead shape, docs/design.md "Peak RSS of small
-        units"). A buffer still in use when the next bucket of its kind comes
-        is flushed by its holder (an all-gather bucket copies its remaining
-        chunks out, see _flat_group._GatherBucketWork) or, without one (a
-        reduce-scatter still in flight; a backward that raised with one in
-        flight: gloo may still write it), not handed out again: that bucket
-        gets a fresh tensor. On CUDA the caching allocator reuses blocks
-        itself: always a fresh tensor.
+        buffer per root, made at the first bucket (regrown to the largest seen)
+        and kept: a bucket costs its size once instead of leaving heap holes
+        several times a step (docs/design.md, "Peak RSS of small units"). A
+        buffer still in use when the next bucket of its kind comes is flushed
+        by its holder (an all-gather bucket copies its remaining chunks out,
+        _flat_group._GatherBucketWork) or, without one (a reduce-scatter in
+        flight; a backward that raised with one in flight: gloo may still
+        write it), not handed out again: that bucket gets a fresh tensor. On
+        CUDA the caching allocator reuses blocks itself: always fresh.
         """
         if self._rt is not None:
             return torch.empty(numel, dtype=dtype, device=device)
@@ -427,8 +399,7 @@ class StreamManager:
     def after_backward(self, t: torch.Tensor, fn) -> None:
         """``fn(t.tolist())`` at the end of backward, where ONE host
         synchronisation reads every such tensor (the used-flags' counts on
-        CUDA: reading each in its post-reduce blocked the backward thread at
-        every reduce-scatter). gloo: now."""
+        CUDA: no host sync per reduce-scatter). gloo: now."""
         if self._rt is None:
             fn(t.tolist())
         else:

@@ -1,40 +1,20 @@
 """What fsdp_compose attaches to torch's global extension points, and why.
 
 [Note: optimizers on sharded parameters]
-While sharded, each parameter is this rank's piece of the original: a block of
-whole dim-0 rows (default), or the whole tensor / an empty piece (the tensor
-layout), or the whole tensor (shard world size 1). An optimizer is exact on
-pieces only if its update of an element depends on nothing but that element's
-gradient and state (*element-wise*: SGD, Adam, ...). One that needs a whole
-matrix (Muon's orthogonalisation, Adafactor's row/column statistics) is exact
-only where every piece it steps is whole or empty; one that reduces over all
-parameters (LBFGS's dot products) is never exact on sharded parameters. Each
-of these would train differently from DDP *without any error*, so the first
-``step()`` of such an optimizer over pieces raises, through torch's global
-optimizer step pre-hook (before anything is written), naming the parameter
-and the fix. The verdict is a function of the layout, which every rank
-computes alike, so every rank raises together (no rank is left in a
-collective).
-
-Optimizers are classified by class (a subclass that does not override
-``step`` inherits its base's kind); an optimizer we do not know is treated as
-needing whole tensors. ``declare_optimizer(cls, kind)`` tells us otherwise.
-The check is cached per optimizer and redone when its parameter list changes:
-one dict lookup per step.
-
-Where a rank holds none of a parameter that another rank holds, its
-``p.grad`` is an empty gradient wherever the parameter got one ([Note: empty
-pieces] in _grad_path.py). An element-wise optimizer steps it as DDP's does
-(empty state, nothing moves). One that needs whole tensors may not take an
-empty tensor (Adafactor divides by the element count: ZeroDivisionError in
-plain PyTorch too), and it has nothing to compute there: the parameter is
-stepped whole on the rank that holds it. So for every optimizer that is not
-element-wise, those empty gradients are set aside for the length of its
-``step()`` (this pre-hook; torch's global step post-hook puts them back), and
-it keeps no state for them on this rank, as before this rank had a gradient
-there. A ``step()`` that raises leaves them set aside until this optimizer's
-next ``step()``; a closure that runs backward inside ``step()`` hands them to
-the optimizer again.
+While sharded, each parameter is this rank's piece of the original (whole
+dim-0 rows; or whole / empty with the tensor layout or at shard world size 1).
+An optimizer is exact on pieces only if it is *element-wise* (SGD, Adam, ...);
+one needing whole tensors (Muon, Adafactor) is exact only where every piece
+it steps is whole or empty, and a global one (LBFGS) never. Those would train
+differently from DDP silently, so the first ``step()`` of such an optimizer
+over pieces raises, from torch's global optimizer step pre-hook, before
+anything is written. The verdict is a function of the layout, alike on every
+rank, so every rank raises together. Kinds are by class (a subclass that does
+not override ``step`` inherits its base's; unknown: whole-tensor;
+``declare_optimizer`` overrides), checked once per optimizer and parameter list.
+Where a rank holds none of a parameter, ``p.grad`` is an empty gradient
+([Note: empty pieces] in _grad_path.py); for an optimizer that is not
+element-wise it is set aside for the length of ``step()`` (the post-hook puts it back).
 
 [Note: torch.nn.utils.clip_grad_norm_]
 torch's ``clip_grad_norm_`` computes the norm of the gradients it is given:

@@ -156,9 +156,9 @@ def _local_norm(tensors: list[torch.Tensor], norm_type: float, device, foreach) 
 
 
 def _all_reduce_max(part: torch.Tensor, groups: tuple) -> torch.Tensor:
-    """MAX over ``groups`` that keeps a NaN: gloo's MAX may drop one (measured:
-    max(1.0, nan) gave 1.0 on every rank when the NaN came from rank 1), so
-    "some rank saw a NaN" travels as a second element of the same collective."""
+    """MAX over ``groups`` that keeps a NaN (gloo's MAX may drop one: see
+    docs/design.md, "clip_grad_norm_"): "some rank saw a NaN" travels as a
+    second element of the same collective."""
     if not groups:
         return part
     both = torch.stack([part, torch.isnan(part).to(part.dtype)])
