@@ -54,17 +54,28 @@ class Net(nn.Module):
 
 @contextlib.contextmanager
 def fsdp2_all_gather_bytes():
-    """Bytes FSDP2's all-gathers write, and their number (it issues them as
-    all_gather_single)."""
-    box = [0, 0]
-    orig = dist.all_gather_single
+    """Bytes FSDP2's all-gathers write, and their number. It issues them as
+    ``all_gather_single`` (torch 2.13, 2.14) or ``all_gather_into_tensor``
+    (2.11, which has no ``all_gather_single``): both are counted, a call
+    inside another once."""
+    box, depth = [0, 0], [0]
 
-    def counting(out, inp, *a, **k):
-        box[0] += out.numel() * out.element_size()
-        box[1] += 1
-        return orig(out, inp, *a, **k)
+    def wrap(orig):
+        def counting(out, inp, *a, **k):
+            if depth[0] == 0:
+                box[0] += out.numel() * out.element_size()
+                box[1] += 1
+            depth[0] += 1
+            try:
+                return orig(out, inp, *a, **k)
+            finally:
+                depth[0] -= 1
+        return counting
 
-    with mock.patch.object(dist, "all_gather_single", counting):
+    with contextlib.ExitStack() as stack:
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, wrap(getattr(dist, name))))
         yield box
 
 
