@@ -100,7 +100,7 @@ def count_optimizer_step() -> None:
 # ---------------------------------------------------------------------------
 # Settings that shape the collective schedule: the FSDPModule setters and a
 # change of requires_grad say when they changed, so a root recomputes its
-# settings fingerprint only then (see RootContext._schedule_settings)
+# settings fingerprint only then (see _step_checks.SettingsFingerprint)
 # ---------------------------------------------------------------------------
 settings_generation = 0
 

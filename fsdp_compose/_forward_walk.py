@@ -283,7 +283,7 @@ class ForwardTracker:
                           "in an order the other ranks do not.", _ORDER_FIX)
 
 LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
-_OPEN_MAX = 1 << 40    # agreement codes of post events (see ForwardWalk._agree)
+_OPEN_MAX = 1 << 40    # agreement codes of post events (see ForwardTracker._agree)
 _NO_REGION = 1 << 62
 _ORDER_FIX = ("If the order of the units' forwards changes by design (not only units "
               "skipped on some ranks), call set_forward_order_dynamic(True) on the root: the "

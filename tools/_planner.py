@@ -9,7 +9,7 @@ library's own; nothing here re-derives a layout. What this module adds:
   which places every rank's pieces (not only this rank's);
 - ``rank_bytes``: for every rank, the bytes of its shards, its gradient
   shards after a backward and its optimizer state after a step;
-- ``Step``: one training step of the schedule (_unit.py, _state.py and its mixins) replayed
+- ``Step``: one training step of the schedule (_unit.py, _state.py and its parts) replayed
   on sizes: which flat buffers are allocated at each schedule event
   (``record_schedule``'s events), and the collectives issued.
 
