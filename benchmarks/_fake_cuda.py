@@ -11,7 +11,8 @@ no fsdp_compose).
   side-stream protocol (the NCCL schedule) on CPU tensors.
 * :class:`CudaJob`: torch as a GPU job sees it: a visible GPU
   (``torch.cuda.is_available`` / ``device_count`` / ``current_device`` /
-  ``is_initialized``), the default process group's backend string and
+  ``is_initialized``; its current stream is not capturing a CUDA graph, as
+  the optimizers' ``step()`` asks), the default process group's backend string and
   config as torch computes them for a spelling of ``init_process_group`` on
   a CUDA machine (``BackendConfig`` with the accelerator reported as CUDA),
   and, for process groups made NCCL-only, NCCL's "No backend type associated
@@ -119,6 +120,14 @@ class StreamDouble:
         self.log.append(("mark", what))
 
 
+class _NotCapturing:
+    """The current stream of a GPU job, to the one question asked of it here."""
+
+    @staticmethod
+    def is_capturing() -> bool:
+        return False
+
+
 class CudaJob:
     """See the module doc. ``spelling``: the backend given to
     ``init_process_group`` (None: no backend, torch reports "undefined");
@@ -174,9 +183,17 @@ class CudaJob:
             for name, value in (("is_available", lambda: True), ("device_count", lambda: 8),
                                 ("current_device", lambda: 0), ("is_initialized", lambda: True),
                                 ("set_device", lambda d: None),
-                                # (the optimizers' graph-capture check, on a CUDA build)
+                                # (the optimizers' graph-capture check, torch 2.11)
                                 ("is_current_stream_capturing", lambda: False)):
                 stack.enter_context(mock.patch.object(torch.cuda, name, value))
+            # The same check in torch 2.13 and 2.14 (their optimizer.py): on a CUDA
+            # build (whose accelerator is CUDA) it asks torch.accelerator.is_available()
+            # (i.e. the patched torch.cuda.is_available), then torch.accelerator.
+            # current_stream().is_capturing(): the real stream query, which without
+            # a GPU raises "CUDA driver version is insufficient" (a CPU build skips
+            # the check). A GPU job's current stream is not capturing.
+            stack.enter_context(mock.patch.object(torch.accelerator, "current_stream",
+                                                  lambda device=None: _NotCapturing()))
             stack.enter_context(mock.patch.object(dist, "get_backend", get_backend))
             stack.enter_context(mock.patch.object(dist, "get_backend_config", get_backend_config))
             stack.enter_context(mock.patch.object(torch.Tensor, "to", to))

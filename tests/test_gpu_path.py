@@ -88,6 +88,24 @@ def test_default_device_follows_the_backend_config():
                        "nccl": ("cuda", "cuda"), "gloo": ("cpu", "cpu")}, res
 
 
+def test_the_cuda_job_answers_the_optimizers_graph_capture_check():
+    """The optimizers' ``step()`` asks whether the current CUDA stream is
+    capturing a graph once CUDA is available: torch 2.11 through
+    ``torch.cuda.is_current_stream_capturing()``, 2.13 and 2.14 through
+    ``torch.accelerator.current_stream().is_capturing()``. A GPU job's answer
+    is no; unanswered, the real query raises without a GPU (on a CUDA build
+    the optimizer asks it, and ``gpu_check --dry-run``'s steps failed on
+    2.14.1 with "CUDA driver version is insufficient")."""
+    with CudaJob().active():
+        assert torch.cuda.is_current_stream_capturing() is False
+        assert torch.accelerator.current_stream().is_capturing() is False
+        p = nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        opt = torch.optim.AdamW([p], lr=0.1)
+        opt.step()  # the check, as the version at hand asks it
+    assert p.detach().lt(1).all()
+
+
 # =================================================== 2. clip_grad_norm_ offload
 def _clip_offload(rank, world):
     torch.manual_seed(0)

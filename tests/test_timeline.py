@@ -13,9 +13,14 @@ from tools.timeline import _spans, overlap, plot, profile_rank
 CFG = PlanConfig(dim=128, layers=3, bucket_bytes=0, schedule="gloo")
 
 
-def test_timeline_attributes_every_collective_to_its_unit(tmp_path):
-    traces = run_distributed(profile_rank, 2, CFG, 2, 1, str(tmp_path), timeout=180)
-    spans = _spans(traces[0])
+@pytest.fixture(scope="module")
+def spans(tmp_path_factory):
+    """Rank 0's spans of a profiled 2-rank run of ``CFG`` (2 steps)."""
+    out = str(tmp_path_factory.mktemp("timeline"))
+    return _spans(run_distributed(profile_rank, 2, CFG, 2, 1, out, timeout=180)[0])
+
+
+def test_timeline_attributes_every_collective_to_its_unit(spans):
     units = ["", "layers.0", "layers.1", "layers.2"]
     assert spans["order"] == units
     # 2 steps: each unit gathered in forward; the blocks again in backward
@@ -28,9 +33,14 @@ def test_timeline_attributes_every_collective_to_its_unit(tmp_path):
     assert len(spans["optimizer"]) == 2 and len(spans["steps"]) == 2
     ms, share = overlap(spans, "all_gather")
     assert ms > 0 and 0 <= share <= 1
-    if pytest.importorskip("matplotlib"):
-        png = plot(spans, "test", os.path.join(tmp_path, "t.png"))
-        assert os.path.getsize(png) > 10_000
+
+
+def test_timeline_plot(spans, tmp_path):
+    """The PNG (matplotlib: the optional bench extra; skipped without it, the
+    spans above are checked either way)."""
+    pytest.importorskip("matplotlib")
+    png = plot(spans, "test", os.path.join(tmp_path, "t.png"))
+    assert os.path.getsize(png) > 10_000
 
 
 def test_timeline_shows_the_planned_collectives_with_buckets(tmp_path):
