@@ -96,9 +96,6 @@ class BackwardSchedule:
                 grad_bytes=_grad_bytes, bucket_bytes=ctx.settings.bucket_bytes)
         return self._plan
 
-    def reduce_order(self) -> tuple:
-        return self.plan.reduce_order
-
     def grads_computed(self, unit: Unit, group) -> None:
         """[Note: gloo backward] ``group``'s split node is about to ``cat`` its
         views' gradients into the flat gradient (``unit`` reports it from the
