@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _collectives
+from . import _collectives, _layout
 from ._common import TrainingState, rank as _rank
 from ._optim_kinds import steps_empty_pieces
 from ._registry import SHARDED, state_dict_slots, units_below
@@ -121,14 +121,6 @@ def _placements(g) -> tuple:
     return (Replicate(),) * (g.mesh.ndim - 1) + (Shard(0),)
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     """The dim-0 rows ``rank`` holds under ``Shard(0)`` (torch.chunk's split)."""
     c = -(-rows // world) if rows else 0
@@ -176,7 +168,7 @@ def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
     else:
         local = redistribute(g, e, piece, rank_rows(g, e), _chunks(g, e))
     return DTensor.from_local(local, g.mesh, _placements(g), run_check=False,
-                              shape=e.shape, stride=_contiguous_stride(e.shape))
+                              shape=e.shape, stride=_layout.contiguous_stride(e.shape))
 
 
 # ------------------------------------------------------- tensor parallel

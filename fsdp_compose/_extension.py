@@ -98,14 +98,6 @@ def _arity(t: torch.Tensor) -> int:
     return len(inspect.signature(t.fsdp_pre_all_gather).parameters)
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
 def check_params(label: str, params: list, *, mesh, post_forward_size, granularity: str) -> None:
     """Refuse, naming the parameter, what the extension path cannot honour
     (see [Note: all-gather extension])."""
@@ -230,21 +222,15 @@ class ExtensionGroup(FlatGroup):
                              "all-gather extension; casting or moving it after fully_shard is "
                              "not supported.", "Cast or move the model before fully_shard.",
                              exc=NotImplementedError)
-        self.device = device
-        meta = device.type == "meta"
-        self.shard_device = torch.device("cpu") if self.offload and not meta else device
-        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
-        if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
-            shard = shard.pin_memory()
-        self.shard = shard
+        self._new_shard(device)
         e = self.entries[0]
-        e.ext = ExtSpec(self.mesh, e.shape, _contiguous_stride(e.shape))
+        e.ext = ExtSpec(self.mesh, e.shape, _layout.contiguous_stride(e.shape))
         with torch.no_grad():
-            local = rebuild(self._template, e.piece(shard))
+            local = rebuild(self._template, e.piece(self.shard))
             e.sharded = nn.Parameter(e.ext.wrap(local), requires_grad=self._trains[0])
         # the flat leaf: autograd's, for the flat gradient; never given storage
         self.flat = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
-        if not meta:
+        if device.type != "meta":
             self.flat.untyped_storage().resize_(0)
         self.flat.requires_grad_(self.requires_grad)
         self.flat_data = self.flat.data
@@ -329,7 +315,7 @@ class ExtensionGroup(FlatGroup):
                 inputs, self._metadata = local.fsdp_pre_all_gather(self.mesh)
             else:
                 inputs, self._metadata = local.fsdp_pre_all_gather(
-                    self.mesh, e.shape, _contiguous_stride(e.shape), self._module, self._torch_mp)
+                    self.mesh, e.shape, _layout.contiguous_stride(e.shape), self._module, self._torch_mp)
         inputs = list(inputs)
         padded = torch.Size((self.layout.chunk // max(1, math.prod(e.shape[1:])),)
                             + tuple(e.shape[1:]))
@@ -381,7 +367,7 @@ class ExtensionGroup(FlatGroup):
                 unsharded, inner = result
                 if unsharded.shape != e.shape or not unsharded.is_contiguous():
                     # padded outputs: the parameter's rows, as FSDP2 cuts them
-                    unsharded = torch.as_strided(unsharded, e.shape, _contiguous_stride(e.shape),
+                    unsharded = torch.as_strided(unsharded, e.shape, _layout.contiguous_stride(e.shape),
                                                  0)
                 self._full = unsharded
                 known = {id(t) for t, _ in self._storage}

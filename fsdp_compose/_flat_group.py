@@ -238,13 +238,9 @@ class FlatGroup(GradientPath):
         return self.mode is FlatMode.ALIASED or self.mode is FlatMode.DIRECT
 
     # ------------------------------------------------------------- storage
-    def _allocate(self, device: torch.device, params: list | None = None) -> None:
-        """(Re)create the shard, the sharded Parameters and the unsharded flat on ``device``.
-
-        ``params``: keep these Parameter objects (one per entry) as the sharded
-        Parameters: their values are copied into the new shard, then their
-        ``.data`` becomes their piece of it (see ``adopt_params``).
-        """
+    def _new_shard(self, device: torch.device) -> None:
+        """A zeroed shard for ``device`` (host memory with offload, pinned if
+        asked and a GPU is there); sets ``device`` and ``shard_device``."""
         self.device = device
         meta = device.type == "meta"
         self.shard_device = torch.device("cpu") if self.offload and not meta else device
@@ -252,6 +248,16 @@ class FlatGroup(GradientPath):
         if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
             shard = shard.pin_memory()
         self.shard = shard
+
+    def _allocate(self, device: torch.device, params: list | None = None) -> None:
+        """(Re)create the shard, the sharded Parameters and the unsharded flat on ``device``.
+
+        ``params``: keep these Parameter objects (one per entry) as the sharded
+        Parameters: their values are copied into the new shard, then their
+        ``.data`` becomes their piece of it (see ``adopt_params``).
+        """
+        self._new_shard(device)
+        shard, meta = self.shard, device.type == "meta"
         for i, (e, trains) in enumerate(zip(self.entries, self._trains)):
             if params is None:
                 e.sharded = nn.Parameter(e.piece(shard), requires_grad=trains)

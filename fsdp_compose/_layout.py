@@ -192,6 +192,15 @@ class Layout:
         return sizes, view_at
 
 
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (a 0-size dim counted as 1)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 def _ceil_to(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
