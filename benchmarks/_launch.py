@@ -29,6 +29,31 @@ def write_result(cfg: dict, rank: int, res: dict) -> None:
     os.replace(tmp, os.path.join(cfg["tmpdir"], f"result{rank}.json"))
 
 
+def gloo_rank(cfg_path: str, run, dump_before_timeout: bool = False) -> None:
+    """A rank's whole ``_worker_entry``: read the config, join the gloo group
+    (``cfg["threads"]`` torch threads, ``cfg["timeout"]``), write
+    ``run(cfg, rank, world)``'s result. ``dump_before_timeout``: print every
+    thread's stack 5 s before the timeout (a rank stuck in a collective)."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if dump_before_timeout:
+        import faulthandler
+        faulthandler.dump_traceback_later(cfg["timeout"] - 5, exit=False)
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg["timeout"]))
+    try:
+        res = run(cfg, rank, world)
+    finally:
+        dist.destroy_process_group()
+    write_result(cfg, rank, res)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -19,8 +19,6 @@ padding, and whether the losses are bit-identical across the layouts.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
@@ -81,22 +79,8 @@ def _run(cfg: dict, rank: int, world: int) -> dict:
 
 
 def _worker_entry(cfg_path: str) -> None:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-    from benchmarks._launch import write_result
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg["timeout"]))
-    try:
-        res = _run(cfg, rank, world)
-    finally:
-        dist.destroy_process_group()
-    write_result(cfg, rank, res)
+    from benchmarks._launch import gloo_rank
+    gloo_rank(cfg_path, _run)
 
 
 def main(argv: list[str] | None = None) -> int:

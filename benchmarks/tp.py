@@ -42,7 +42,7 @@ import platform
 import statistics
 import time
 
-from benchmarks._launch import run_ranks, write_result
+from benchmarks._launch import gloo_rank, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "out")
@@ -164,22 +164,7 @@ def run_impl(cfg: dict, rank: int, world: int) -> dict:
 
 
 def _worker_entry(cfg_path: str) -> None:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    import faulthandler
-    faulthandler.dump_traceback_later(cfg["timeout"] - 5, exit=False)
-    import torch
-    torch.set_num_threads(cfg["threads"])
-    import torch.distributed as dist
-    from datetime import timedelta
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg["timeout"]))
-    try:
-        res = run_impl(cfg, rank, world)
-    finally:
-        dist.destroy_process_group()
-    write_result(cfg, rank, res)
+    gloo_rank(cfg_path, run_impl, dump_before_timeout=True)
 
 
 # =============================================================================
