@@ -456,14 +456,8 @@ class _TogetherWork:
                 at += src.numel()
             self._at[id(g)] = spans
 
-    def part(self, g: ExtensionGroup):
-        work = self
-
-        class _Part:
-            @staticmethod
-            def wait():
-                work._copy_out(g)
-        return _Part
+    def part(self, g: ExtensionGroup) -> "_Part":
+        return _Part(self, g)
 
     def _copy_out(self, g: ExtensionGroup) -> None:
         self._pending.wait()  # (idempotent; on CUDA it orders the current stream)
@@ -475,3 +469,13 @@ class _TogetherWork:
             dst.view(W, width).copy_(self._recv[:, at:at + width])
         if not self._at:
             self._recv = None
+
+
+class _Part:
+    """``g``'s share of a ``_TogetherWork``: ``wait()`` copies its outputs out."""
+
+    def __init__(self, work: _TogetherWork, g: ExtensionGroup):
+        self._work, self._g = work, g
+
+    def wait(self) -> None:
+        self._work._copy_out(self._g)
