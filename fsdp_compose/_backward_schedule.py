@@ -91,7 +91,7 @@ class BackwardSchedule:
             ctx = self.ctx
             self._plan = build_plan(
                 ctx.record, self.pending, prefetch_depth=ctx.settings.prefetch_depth,
-                backward_prefetch=lambda u: u.backward_prefetch,
+                backward_prefetch=lambda u: u.settings.backward_prefetch,
                 completes=lambda u: u.completes_reduction(), reduces=_reduces,
                 grad_bytes=_grad_bytes, bucket_bytes=ctx.settings.bucket_bytes)
         return self._plan
@@ -147,7 +147,7 @@ class BackwardSchedule:
         """``unit``'s gradients are all accumulated in this backward (its
         post-backward): reduce-scatter them when their turn comes (see the
         Note), or at once outside the order."""
-        if not unit.requires_gradient_sync:
+        if not unit.settings.requires_gradient_sync:
             return  # flat.grad stays and accumulates; the next synced backward reduces it
         if unit in self._launched or unit not in self.ctx.record.in_orders:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
@@ -194,7 +194,7 @@ class BackwardSchedule:
             got = any(g.flat.grad is not None for g in u.trainable)
             trace("reduce_scatter", u.fqn, "bucketed" if got else "bucketed zero-filled")
             for g in u.trainable:
-                by_key.setdefault(g.bucket_key(), []).append(g)
+                by_key.setdefault(g.grad.bucket_key(), []).append(g.grad)
         with label("reduce_scatter", units[-1].fqn):
             self.in_flight = [launch for groups in by_key.values()
                               for launch in launch_bucket(groups, self.ctx.streams)]
@@ -219,7 +219,7 @@ class BackwardSchedule:
         for an all-gather of this rank's shard group (a cycle across the groups
         when units run on some ranks only)."""
         for launch in self.in_flight:
-            if launch.group.replicate_pg is None:
+            if launch.path.group.replicate_pg is None:
                 launch.finish()
             else:  # keep the output only: the flat gradient goes now, as it would
                 launch.pending = self.ctx.streams.ready(launch.pending.wait())
@@ -257,7 +257,7 @@ class BackwardSchedule:
 
 
 def _reduces(unit: Unit) -> bool:
-    return bool(unit.trainable) and unit.requires_gradient_sync
+    return bool(unit.trainable) and unit.settings.requires_gradient_sync
 
 
 def _grad_bytes(unit: Unit) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -65,12 +65,13 @@ class Kept(enum.Enum):
                             # or sooner if an optimizer step changed a shard
 
 
-@dataclass
+@dataclass(frozen=True)
 class RootSettings:
-    """The settings of the whole model (FSDPModule's root-only setters): one
-    object, ``RootContext.settings``. A setter called before lazy init (when
-    the root is not known yet) makes one on its unit (``Unit.root_settings``,
-    else None); lazy init adopts the root's and refuses any other unit's."""
+    """The settings of the whole model (FSDPModule's root-only setters), a
+    frozen value on the root unit (``Unit.root_settings``), replaced by
+    ``Unit.update_root_settings``; ``RootContext.settings`` reads it. A setter
+    called before lazy init (when the root is not known yet) sets it on its
+    unit; lazy init refuses one set on a unit that is not the root."""
 
     # how many units to all-gather ahead, in forward (last step's order) and
     # backward (gather order): in-flight unsharded memory is the current
@@ -82,7 +83,36 @@ class RootSettings:
     is_last_backward: bool = True        # False leaves the last reduce in flight
     forward_order_dynamic: bool = False  # see set_forward_order_dynamic
     # names of the setters called (see FSDPModule._root_setting)
-    called: set[str] = field(default_factory=set)
+    called: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """A unit's reduction settings, which its groups' gradient paths read
+    (``GradientPath.settings``)."""
+
+    requires_all_reduce: bool = True    # HSDP: False keeps a partial sum, no all-reduce
+    divide_factor: float | None = None  # set_gradient_divide_factor (None: the mean)
+    force_sum: bool = False             # set_force_sum_reduction_for_comms
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """A unit's user settings (fully_shard's arguments and FSDPModule's
+    per-unit setters), a frozen value replaced by ``Unit.update_settings``."""
+
+    reshard_after_forward: bool | int | None = None  # None: True except on the root
+    # False: stay gathered after backward (the next forward all-gathers
+    # nothing, unless an optimizer step changed a shard meanwhile)
+    reshard_after_backward: bool = True
+    # False (set_unshard_in_backward): backward does not need the parameters
+    # (e.g. an embedding): no all-gather for this unit in backward
+    unshard_in_backward: bool = True
+    # False: keep accumulating the unsharded flat gradient, no reduce-scatter
+    requires_gradient_sync: bool = True
+    forward_prefetch: tuple | None = None   # explicit units; None: by order
+    backward_prefetch: tuple | None = None
+    reduce: ReduceSettings = ReduceSettings()
 
 
 def weak_hook(obj, method: str, arg=None):

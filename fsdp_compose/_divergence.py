@@ -98,19 +98,6 @@ def count_optimizer_step() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Settings that shape the collective schedule: the FSDPModule setters and a
-# change of requires_grad say when they changed, so a root recomputes its
-# settings fingerprint only then (see _step_checks.SettingsFingerprint)
-# ---------------------------------------------------------------------------
-settings_generation = 0
-
-
-def settings_changed() -> None:
-    global settings_generation
-    settings_generation += 1
-
-
-# ---------------------------------------------------------------------------
 # The store: records of ranks that stopped (3. in the Note)
 #
 # [Note: divergence records are per root]

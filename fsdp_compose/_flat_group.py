@@ -123,7 +123,7 @@ class PostForward(NamedTuple):
     rank: int   # this rank's index in it
 
 
-class FlatGroup(GradientPath):
+class FlatGroup:
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
                  world: int, rank: int, pg, rs_pg,
                  param_dtype: torch.dtype | None = None,
@@ -143,8 +143,6 @@ class FlatGroup(GradientPath):
         self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _backward_schedule.py
         self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
         self.mesh = mesh  # the unit's DeviceMesh (state dicts place DTensors on it)
-        self.divide_factor: float | None = None  # set_gradient_divide_factor (None: the mean)
-        self.force_sum = False                   # set_force_sum_reduction_for_comms
         self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
         self.post_forward = post_forward
         self.offload, self.pin_memory = offload, pin_memory
@@ -175,12 +173,12 @@ class FlatGroup(GradientPath):
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
         self._split_sizes, self._view_at = layout.split_plan()
         self.mode: FlatMode = self._decide_mode()  # see [Note: world size 1]
-        self._init_grad_state()
+        self.grad = GradientPath(self)  # the gradient half (_grad_path.py)
 
         self._grad_hook = None
         self._hooked_flat = None   # the flat tensor the grad hook is registered on
         self._views_stale = False  # sync_requires_grad changed what the views must be
-        self._split_prehook = weak_hook(self, "_before_split_backward")
+        self._split_prehook = weak_hook(self.grad, "_before_split_backward")
         self._allocate(torch.device("meta") if locals_[0].is_meta else device)
         with torch.no_grad():
             for e, (p, _, _), local in zip(self.entries, params, locals_):
@@ -354,7 +352,7 @@ class FlatGroup(GradientPath):
         self._allocate(device, params)
         self.install_sharded()
         self.unsharded_version = -1
-        self._move_grad_state(flat_grad)
+        self.grad._move_grad_state(flat_grad)
 
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
-from . import _divergence
 from ._common import Gather, Kept, RootSettings, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
@@ -44,7 +43,7 @@ class FSDPModule(_TorchFSDPModule):
         found = (unit_of(m) for m in (self.modules() if recurse else [self]))
         return list(dict.fromkeys(u for u in found if u is not None))
 
-    def _root_setting(self, where: str) -> RootSettings:
+    def _root_setting(self, where: str, **changes) -> RootSettings:
         """Where a root-only setting (``where``) is stored: this unit's, which
         must be the root. Known only after lazy init: a setting called earlier on
         a unit that does not become the root is an error at the first forward
@@ -55,9 +54,7 @@ class FSDPModule(_TorchFSDPModule):
                              f"the root unit '{unit.ctx.root.fqn or '<root>'}' only; this "
                              "unit is not the root.", root_setting_fix(where),
                              exc=ValueError)
-        settings = unit.settings_for_root()  # (the root's: RootContext.settings)
-        settings.called.add(where)
-        return settings
+        return unit.update_root_settings(where, **changes)
 
     def _apply(self, fn, recurse: bool = True):
         """``to`` / ``cuda`` / ``cpu`` / ``half`` / ``float`` / ``double`` /
@@ -112,8 +109,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters after forward (True) or keep them for backward."""
         for u in self._units(recurse):
-            u.set_reshard_after_forward(bool(reshard_after_forward))
-        _divergence.settings_changed()
+            u.update_settings(reshard_after_forward=bool(reshard_after_forward))
 
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
@@ -127,8 +123,7 @@ class FSDPModule(_TorchFSDPModule):
         reduce-scatter but the last. Every rank must use the same setting.
         """
         for u in self._units(recurse):
-            u.requires_gradient_sync = bool(requires_gradient_sync)
-        _divergence.settings_changed()
+            u.update_settings(requires_gradient_sync=bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, gradients are reduce-scattered within the shard
@@ -136,9 +131,7 @@ class FSDPModule(_TorchFSDPModule):
         kept and the next backward with True all-reduces it once (``p.grad`` is
         updated then). Every rank must use the same setting."""
         for u in self._units(recurse):
-            for g in u.groups:
-                g.requires_all_reduce = bool(requires_all_reduce)
-        _divergence.settings_changed()
+            u.update_settings(requires_all_reduce=bool(requires_all_reduce))
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, backward does not all-gather this unit's parameters: for
@@ -148,8 +141,7 @@ class FSDPModule(_TorchFSDPModule):
         reads freed memory (as in torch FSDP2). A forward recomputed in
         backward (activation checkpointing) still gathers them. Not recursive,
         as in FSDP2; every rank must use the same setting."""
-        self._unit().unshard_in_backward = bool(unshard_in_backward)
-        _divergence.settings_changed()
+        self._unit().update_settings(unshard_in_backward=bool(unshard_in_backward))
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -158,16 +150,14 @@ class FSDPModule(_TorchFSDPModule):
         parameters' memory between steps. Safe across an optimizer step: a unit
         whose shard changed since it was gathered is gathered again."""
         for u in self._units(recurse):
-            u.reshard_after_backward = bool(reshard_after_backward)
-        _divergence.settings_changed()
+            u.update_settings(reshard_after_backward=bool(reshard_after_backward))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Call on the root. With False, the backward does not wait for its last
         reduce-scatter: it overlaps the next microbatch's forward and is folded
         into ``p.grad`` by the next backward. Set True before the last
         microbatch's backward (its end makes every ``p.grad`` final)."""
-        self._root_setting("set_is_last_backward").is_last_backward = bool(is_last_backward)
-        _divergence.settings_changed()
+        self._root_setting("set_is_last_backward", is_last_backward=bool(is_last_backward))
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
@@ -175,8 +165,8 @@ class FSDPModule(_TorchFSDPModule):
         Overrides the default (the next ``prefetch_depth`` units of the last
         step's order). Every rank must pass the same list.
         """
-        self._unit().forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
-        _divergence.settings_changed()
+        self._unit().update_settings(
+            forward_prefetch=_units_of(modules, "set_modules_to_forward_prefetch"))
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's backward starts.
@@ -184,8 +174,8 @@ class FSDPModule(_TorchFSDPModule):
         Backward all-gathers keep their rank-independent order: prefetching
         unit w also gathers the units between this one and w in that order.
         """
-        self._unit().backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
-        _divergence.settings_changed()
+        self._unit().update_settings(
+            backward_prefetch=_units_of(modules, "set_modules_to_backward_prefetch"))
 
     def set_overlap_reduce_scatter(self, overlap: bool) -> None:
         """Call on the root. True (default): a unit's reduce-scatter runs while
@@ -193,7 +183,7 @@ class FSDPModule(_TorchFSDPModule):
         away, so its flat gradient is freed before the next one is made (one
         unsharded gradient less at the peak; backward no longer overlaps it).
         With ``set_prefetch_depth(0)`` this is the lowest-memory schedule."""
-        self._root_setting("set_overlap_reduce_scatter").overlap_reduce_scatter = bool(overlap)
+        self._root_setting("set_overlap_reduce_scatter", overlap_reduce_scatter=bool(overlap))
 
     def set_reduce_scatter_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Reduce-scatter the gradients of consecutive units
@@ -204,8 +194,7 @@ class FSDPModule(_TorchFSDPModule):
         one copy of the bucket's flat gradients (a rank-major ``cat``), and a
         unit's gradient waits until its bucket is complete."""
         _check_bucket_bytes(self._unit(), nbytes)
-        self._root_setting("set_reduce_scatter_bucket_bytes").bucket_bytes = nbytes
-        _divergence.settings_changed()
+        self._root_setting("set_reduce_scatter_bucket_bytes", bucket_bytes=nbytes)
 
     def set_all_gather_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. All-gather consecutive units (in the last step's
@@ -218,8 +207,7 @@ class FSDPModule(_TorchFSDPModule):
         flight). The first step's forward has no recorded order yet and
         gathers per unit."""
         _check_bucket_bytes(self._unit(), nbytes)
-        self._root_setting("set_all_gather_bucket_bytes").gather_bucket_bytes = nbytes
-        _divergence.settings_changed()
+        self._root_setting("set_all_gather_bucket_bytes", gather_bucket_bytes=nbytes)
 
     def set_forward_order_dynamic(self, dynamic: bool) -> None:
         """Call on the root. Units may run on some ranks only (an expert no
@@ -232,8 +220,7 @@ class FSDPModule(_TorchFSDPModule):
         With True, the ranks agree on the order in every forward instead: one
         small all-reduce per unit forward start and end (a host sync each on
         NCCL). Every rank must use the same setting."""
-        self._root_setting("set_forward_order_dynamic").forward_order_dynamic = bool(dynamic)
-        _divergence.settings_changed()
+        self._root_setting("set_forward_order_dynamic", forward_order_dynamic=bool(dynamic))
 
     def set_prefetch_depth(self, depth: int) -> None:
         """How many units to all-gather ahead in forward and backward (default 1).
@@ -245,8 +232,7 @@ class FSDPModule(_TorchFSDPModule):
         if not isinstance(depth, int) or depth < 0:
             raise unit_error(self._unit().fqn, f"prefetch depth must be an int >= 0, got "
                              f"{depth!r}.", exc=ValueError)
-        self._root_setting("set_prefetch_depth").prefetch_depth = depth
-        _divergence.settings_changed()
+        self._root_setting("set_prefetch_depth", prefetch_depth=depth)
 
 
     # ------------------------------------------ the rest of FSDP2's FSDPModule
@@ -270,8 +256,7 @@ class FSDPModule(_TorchFSDPModule):
         if not factor > 0:
             raise unit_error(self._unit().fqn, f"gradient divide factor {factor} must be > 0.",
                              exc=ValueError)
-        for g in self._unit().groups:
-            g.divide_factor = factor
+        self._unit().update_settings(divide_factor=factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The same as ``set_gradient_divide_factor`` (FSDP2's older name)."""
@@ -281,8 +266,7 @@ class FSDPModule(_TorchFSDPModule):
         """With True, this unit's reductions use ``ReduceOp.SUM`` only, followed by
         a division (never an average or pre-multiplied sum on the wire). Not
         recursive, as in FSDP2."""
-        for g in self._unit().groups:
-            g.force_sum = bool(enable)
+        self._unit().update_settings(force_sum=bool(enable))
 
     def set_post_optim_event(self, event) -> None:
         """FSDP2 waits its all-gathers on ``event`` instead of the current
@@ -362,7 +346,7 @@ def _check_bucket_bytes(unit, nbytes) -> None:
                          exc=ValueError)
 
 
-def _units_of(modules, where: str) -> list[Unit]:
+def _units_of(modules, where: str) -> tuple[Unit, ...]:
     units = []
     for m in modules:
         u = unit_of(m)
@@ -370,7 +354,7 @@ def _units_of(modules, where: str) -> list[Unit]:
             raise ValueError(f"fsdp_compose.{where}: {type(m).__name__} is not sharded; pass "
                              "modules that fully_shard was applied to.")
         units.append(u)
-    return units
+    return tuple(units)
 
 
 # [Note: casts after fully_shard]

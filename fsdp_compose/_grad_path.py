@@ -70,6 +70,7 @@ The gradient shard is held only by the p.grad views (through their
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -77,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives, _layout
-from ._common import label
+from ._common import ReduceSettings, label
 from ._streams import Pending, StreamManager
 
 # A flat gradient up to this size carries its used-flags in its own
@@ -146,7 +147,7 @@ class TakenGrad:
 class _GradLaunch:
     """A reduce-scatter in flight, and how to fold its output into p.grad."""
 
-    group: GradientPath
+    path: "GradientPath"
     streams: StreamManager
     pending: Pending | None  # wait() gives the reduced output
     used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
@@ -161,7 +162,7 @@ class _GradLaunch:
         self.folded = True
         if self.span is not None:
             out = out[self.span[0]:self.span[1]]
-        self.group._finish_reduce(out, self.used, self.post_divide, self.streams, reduced)
+        self.path._finish_reduce(out, self.used, self.post_divide, self.streams, reduced)
 
     def finish(self) -> None:
         if not self.done:
@@ -189,21 +190,21 @@ def _fold_all(launches: list[_GradLaunch]):
         for launch in launches:  # run once: no launch -> fold -> launches cycle outlives it
             launch.fold_bucket = None  # (a cycle would keep every flat gradient to the next gc)
         first = launches[0]
-        if len(launches) == 1 or first.group.replicate_pg is None:
+        if len(launches) == 1 or first.path.group.replicate_pg is None:
             for launch in launches:
                 launch.fold(out)
             return
         for launch in launches:
             launch.used.wait()
-        sums = [launch.group._hsdp_sum(out[launch.span[0]:launch.span[1]], launch.used,
+        sums = [launch.path._hsdp_sum(out[launch.span[0]:launch.span[1]], launch.used,
                                        launch.streams) for launch in launches]
         if all(sums):
-            first.group._hsdp_all_reduce(out[:launches[-1].span[1]], first.used,
+            first.path._hsdp_all_reduce(out[:launches[-1].span[1]], first.used,
                                          first.post_divide, first.streams)
         for launch, summed in zip(launches, sums):
             if summed and not all(sums):
                 lo, hi = launch.span
-                launch.group._hsdp_all_reduce(out[lo:hi], launch.used, launch.post_divide,
+                launch.path._hsdp_all_reduce(out[lo:hi], launch.used, launch.post_divide,
                                               launch.streams)
             if summed:
                 launch.fold(out, reduced=True)
@@ -260,11 +261,15 @@ def _flags_tensor(flags: list[bool], streams: StreamManager,
 
 
 class GradientPath:
-    """The gradient half of ``FlatGroup`` (see the module docstring)."""
+    """A flat group's gradient path (``group.grad``, see the module docstring):
+    it owns the used-flags, the unsynced sum and HSDP's partial sum, and reads
+    the group's layout, storage and spec through a weak reference (the group
+    holds it; no cycle keeps a model's groups alive)."""
 
-    def _init_grad_state(self) -> None:
-        self.requires_all_reduce = True   # HSDP: False keeps a partial sum, no all-reduce
-        self._used = [False] * len(self.entries)  # see [Note: parameters without a gradient]
+    def __init__(self, group) -> None:
+        self.group = weakref.proxy(group)
+        self.settings = ReduceSettings()  # the unit's (Unit.update_settings)
+        self._used = [False] * len(group.entries)  # see [Note: parameters without a gradient]
         self._flags_row: tuple | None = None  # (flags, their tensor): read-only, reused
         # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
         self.on_grads_computed = None
@@ -279,22 +284,23 @@ class GradientPath:
         """After ``adopt_params`` re-made the storage: what a backward left
         (``flat_grad``: the old flat's gradient) follows the new device and
         dtypes, as ``_apply`` casts ``p.grad``."""
-        if flat_grad is not None and self.flat.requires_grad:
-            self.flat.grad = flat_grad.to(self.device, self.compute_dtype)
+        g = self.group
+        if flat_grad is not None and g.flat.requires_grad:
+            g.flat.grad = flat_grad.to(g.device, g.compute_dtype)
         if self._unsynced is not None:
-            self._unsynced = self._unsynced.to(self.device, self.reduce_dtype)
+            self._unsynced = self._unsynced.to(g.device, g.reduce_dtype)
         if self._partial is not None:  # (HSDP: the sum and its used-flags)
             p_out, p_used = self._partial
             if p_used.counts is not None:
-                p_used.counts = p_used.counts.to(self.device)
-            self._partial = (p_out.to(self.device, self.reduce_dtype), p_used)
+                p_used.counts = p_used.counts.to(g.device)
+            self._partial = (p_out.to(g.device, g.reduce_dtype), p_used)
 
     def _before_split_backward(self, grad_outputs) -> None:
         """The split node's pre-hook: note which views got a gradient (None:
         none, see [Note: parameters without a gradient]), then tell the unit
         (see [Note: gloo backward] in _backward_schedule.py)."""
         used = self._used
-        for k, i in enumerate(self._view_at):
+        for k, i in enumerate(self.group._view_at):
             if grad_outputs[i] is not None:
                 used[k] = True
         if self.on_grads_computed is not None:
@@ -303,7 +309,7 @@ class GradientPath:
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
         """``buf`` becomes the gradient shard of the entries in ``take`` (an
         empty piece held elsewhere gets an empty gradient, see [Note: empty pieces])."""
-        for e, t in zip(self.entries, take):
+        for e, t in zip(self.group.entries, take):
             if t:
                 e.set_grad(_empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf))
 
@@ -314,31 +320,32 @@ class GradientPath:
         when the reduce dtype is wider (bf16 compute, fp32 reduce) the sum is
         kept in the reduce dtype instead, as torch FSDP2 does.
         """
-        g = self.flat.grad
-        if g is None or g.dtype == self.reduce_dtype:
+        g = self.group.flat.grad
+        if g is None or g.dtype == self.group.reduce_dtype:
             return
-        self.flat.grad = None
+        self.group.flat.grad = None
         if self._unsynced is None:
-            self._unsynced = g.to(self.reduce_dtype)
+            self._unsynced = g.to(self.group.reduce_dtype)
         else:
             self._unsynced.add_(g)
 
     def drop_grad(self) -> None:
         """Forget the flat gradient and flags of a backward that raised midway."""
-        self.flat.grad = None
+        self.group.flat.grad = None
         self._unsynced = None
-        self._used = [False] * len(self.entries)
+        self._used = [False] * len(self.group.entries)
 
     def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
-        inline = (self.padded_numel * self.reduce_dtype.itemsize <= _inline_flags_bytes
-                  and self.gather_bounds is None)  # (uneven pieces: flags on their own)
-        if self.world > 1 and inline:
+        g = self.group
+        inline = (g.padded_numel * g.reduce_dtype.itemsize <= _inline_flags_bytes
+                  and g.gather_bounds is None)  # (uneven pieces: flags on their own)
+        if g.world > 1 and inline:
             return _launch_inline([self], streams)[0]
         taken = self.take_grad()
         used, post = taken.used, taken.post
-        if self.world == 1:  # the flat gradient is the gradient shard
-            if self.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
+        if g.world == 1:  # the flat gradient is the gradient shard
+            if g.replicas > 1 and inline:  # HSDP: the flags ride in the all-reduce
                 out = torch.cat([taken.flat_grad, self.flags_row(used, streams)])
                 return _GradLaunch(self, streams, streams.ready(out),
                                    _UsedFlags(used, inline=True), post)
@@ -347,21 +354,22 @@ class GradientPath:
         counts = _flags_tensor(used, streams)  # see [Note: parameters without a gradient]
         # The flags' all-reduce is issued first: on CUDA the post-reduce (the
         # fold, which reads them) runs as soon as the reduce-scatter is issued.
-        with label("used_flags", self.unit_fqn):  # (tools.timeline tells it from the reduction)
-            flags = streams.all_reduce(counts, self.rs_pg, dist.ReduceOp.SUM,
-                                       (self.unit_fqn, "the all-reduce of its used-flags"))
+        with label("used_flags", g.unit_fqn):  # (tools.timeline tells it from the reduction)
+            flags = streams.all_reduce(counts, g.rs_pg, dist.ReduceOp.SUM,
+                                       (g.unit_fqn, "the all-reduce of its used-flags"))
         launch = _GradLaunch(self, streams, None, _UsedFlags(used, pending=flags, counts=counts),
                              post)
-        launch.pending = streams.reduce_scatter(taken.flat_grad, self.rs_pg, taken.op,
-                                                _fold_all([launch]), self.replicate_pg is not None,
-                                                (self.unit_fqn, _REDUCE), bounds=self.gather_bounds)
+        launch.pending = streams.reduce_scatter(taken.flat_grad, g.rs_pg, taken.op,
+                                                _fold_all([launch]), g.replicate_pg is not None,
+                                                (g.unit_fqn, _REDUCE), bounds=g.gather_bounds)
         return launch
 
     def bucket_key(self) -> tuple:
         """Groups with equal keys can share one reduce-scatter (see launch_bucket)."""
-        return (self.reduce_dtype, self.rs_pg, self.world, self.device, self.replicas,
-                self.divide_factor, self.force_sum,
-                None if self.gather_bounds is None else id(self))  # (uneven: never merged)
+        g = self.group
+        return (g.reduce_dtype, g.rs_pg, g.world, g.device, g.replicas,
+                self.settings.divide_factor, self.settings.force_sum,
+                None if g.gather_bounds is None else id(self))  # (uneven: never merged)
 
     def flags_row(self, used: list[bool], streams: StreamManager) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied
@@ -369,33 +377,36 @@ class GradientPath:
         next multiple of 16 bytes after the gradient shard: every group's part
         of a bucket, and every rank's chunk, starts 16-byte aligned (NCCL's
         fast path; the gradient shards the optimizer reads)."""
-        key = (tuple(used), self.device, self.reduce_dtype)  # (a model moved or cast)
+        g = self.group
+        key = (tuple(used), g.device, g.reduce_dtype)  # (a model moved or cast)
         if self._flags_row is None or self._flags_row[0] != key:
-            align = _layout.align_elems(self.reduce_dtype.itemsize)
-            pad = -(self.shard_numel + len(used)) % align
+            align = _layout.align_elems(g.reduce_dtype.itemsize)
+            pad = -(g.shard_numel + len(used)) % align
             self._flags_row = (key, _flags_tensor(list(used) + [False] * pad, streams,
-                                                  self.reduce_dtype))
+                                                  g.reduce_dtype))
         return self._flags_row[1]
 
     def _inline_counts(self, out: torch.Tensor) -> torch.Tensor:
         """The flags' rank average after the gradient shard in ``out`` (not the padding)."""
-        return out[self.shard_numel:self.shard_numel + len(self.entries)]
+        g = self.group
+        return out[g.shard_numel:g.shard_numel + len(g.entries)]
 
     def take_grad(self) -> TakenGrad:
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
         microbatches added, pre-divided; with this rank's used-flags (reset)."""
-        flat_grad = self.flat.grad
-        self.flat.grad = None
+        g = self.group
+        flat_grad = g.flat.grad
+        g.flat.grad = None
         if flat_grad is None:
-            flat_grad = torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
-        elif flat_grad.dtype != self.reduce_dtype:
-            flat_grad = flat_grad.to(self.reduce_dtype)
+            flat_grad = torch.zeros(g.padded_numel, dtype=g.reduce_dtype, device=g.device)
+        elif flat_grad.dtype != g.reduce_dtype:
+            flat_grad = flat_grad.to(g.reduce_dtype)
         if self._unsynced is not None:
             flat_grad = flat_grad.add_(self._unsynced)
             self._unsynced = None
-        used, self._used = self._used, [False] * len(self.entries)
-        pre, post = _divide_factors(self.world * self.replicas, self.reduce_dtype,
-                                    self.divide_factor, self.force_sum)
+        used, self._used = self._used, [False] * len(g.entries)
+        pre, post = _divide_factors(g.world * g.replicas, g.reduce_dtype,
+                                    self.settings.divide_factor, self.settings.force_sum)
         if pre is not None and pre != 1.0:
             flat_grad.div_(pre)
         return TakenGrad(flat_grad, used, pre, post)
@@ -404,7 +415,7 @@ class GradientPath:
         """(gradient shard, flag sums): views into ``out`` when the flags came
         inline, else ``used.counts``."""
         if used.inline:
-            return out[:self.shard_numel], self._inline_counts(out)
+            return out[:self.group.shard_numel], self._inline_counts(out)
         if used.counts is None:  # (shard world size 1: the flags are local)
             used.counts = _flags_tensor(used.local, streams)
         return out, used.counts
@@ -414,33 +425,34 @@ class GradientPath:
         """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py).
         ``reduced``: the HSDP sum and all-reduce were done for a whole bucket
         (``_fold_all``)."""
+        g = self.group
         used.wait()
         if used.counts is not None:  # (HSDP writes them there: kept to the end of backward)
             streams.hold(used.counts)
-        if self.replicate_pg is not None and not reduced:  # HSDP: then across the replicas
+        if g.replicate_pg is not None and not reduced:  # HSDP: then across the replicas
             if not self._hsdp_sum(out, used, streams):
                 return  # p.grad is left alone until an all-reduced backward
             self._hsdp_all_reduce(out, used, post, streams)
         if used.inline:
-            out, used.counts = out[:self.shard_numel], self._inline_counts(out)
+            out, used.counts = out[:g.shard_numel], self._inline_counts(out)
         if post is not None and post != 1.0:
             out.div_(post)
-        if self.offload:  # device-to-host, folded once the copy has landed
-            host = streams.to_host(out, self.dtype, self.pin_memory)
+        if g.offload:  # device-to-host, folded once the copy has landed
+            host = streams.to_host(out, g.dtype, g.pin_memory)
             if used.counts is not None:  # (read by the fold, after the copy)
-                used.counts = streams.to_host(used.counts, used.counts.dtype, self.pin_memory)
+                used.counts = streams.to_host(used.counts, used.counts.dtype, g.pin_memory)
             # p.grad is read then: an earlier fold of this group may be waiting too
-            streams.on_host(lambda: self._fold_grad(host, used.any_rank(self._trains)))
+            streams.on_host(lambda: self._fold_grad(host, used.any_rank(g._trains)))
             return
-        if out.dtype != self.dtype:
-            out = out.to(self.dtype)
-        if used.counts is not None and not used.all_here(self._trains):
+        if out.dtype != g.dtype:
+            out = out.to(g.dtype)
+        if used.counts is not None and not used.all_here(g._trains):
             # which entries no rank produced: read once, at the end of backward
             # (on CUDA a read here would block the backward thread)
             streams.after_backward(used.counts, lambda counts: self._fold_grad(
                 out, [c > 0 for c in counts]))
             return
-        self._fold_grad(out, used.any_rank(self._trains))
+        self._fold_grad(out, used.any_rank(g._trains))
 
     def _hsdp_sum(self, out: torch.Tensor, used: _UsedFlags, streams: StreamManager) -> bool:
         """HSDP: add a partial sum an earlier backward kept; False: keep this
@@ -455,7 +467,7 @@ class GradientPath:
             streams.hold(p_out)
             streams.hold(p_counts)
             self._partial = None
-        if not self.requires_all_reduce:
+        if not self.settings.requires_all_reduce:
             self._partial = (out, used)
             return False
         return True
@@ -464,28 +476,29 @@ class GradientPath:
                          streams: StreamManager) -> None:
         """``out`` (inline: with its flags) across the replicas, and the
         counts when they came in their own all-reduce."""
+        g = self.group
         op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
-        what = (self.unit_fqn, "the all-reduce of its gradient shards across replicas")
+        what = (g.unit_fqn, "the all-reduce of its gradient shards across replicas")
         blocks = streams.waits_block_cpu  # (on CUDA: issued on the all-reduce stream)
-        _collectives.all_reduce(out, op, self.replicate_pg, what, blocks)  # (inline: flags too)
+        _collectives.all_reduce(out, op, g.replicate_pg, what, blocks)  # (inline: flags too)
         if not used.inline:
-            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, self.replicate_pg, what,
+            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, g.replicate_pg, what,
                                     blocks)
 
     def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
         """Add this reduction into p.grad, see [Note: parameters without a gradient].
         ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
-            entries = self.entries
+            entries = self.group.entries
             if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
                 take = [t and (any_rank is None or any_rank[k])
-                        for k, t in enumerate(self._trains)]
+                        for k, t in enumerate(self.group._trains)]
                 self._adopt_grad_shard(out, take)
                 return
             # accumulation without zero_grad, a partial zero_grad (an optimizer
             # over part of the unit), p.grad set by the user: one by one
             for k, e in enumerate(entries):
-                if not self._trains[k]:
+                if not self.group._trains[k]:
                     continue  # frozen: backward leaves p.grad alone
                 g = e.grad_rows()
                 piece = e.piece(out)
@@ -503,19 +516,19 @@ def _empty_grad(e, buf: torch.Tensor) -> torch.Tensor:
     return buf.new_empty(e.piece_shape)
 
 
-def launch_bucket(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+def launch_bucket(paths: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
     """ONE reduce-scatter for several groups with the same ``bucket_key()``.
 
     For many small units, where a collective's latency dominates its bytes:
     one collective instead of one per unit, for one copy (``_launch_inline``).
     """
-    first = groups[0]
-    if first.world == 1 or len(groups) == 1:  # nothing to merge
-        return [g.launch_reduce_scatter(streams) for g in groups]
-    return _launch_inline(groups, streams)
+    first = paths[0]
+    if first.group.world == 1 or len(paths) == 1:  # nothing to merge
+        return [p.launch_reduce_scatter(streams) for p in paths]
+    return _launch_inline(paths, streams)
 
 
-def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+def _launch_inline(paths: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
     """Reduce-scatter the groups' flat gradients with their used-flags inline.
 
     The input is rank-major: for each rank r, every group's chunk r followed
@@ -525,27 +538,28 @@ def _launch_inline(groups: list[GradientPath], streams: StreamManager) -> list[_
     where any rank produced the gradient), end to end; each group adopts its
     slice (a view).
     """
-    first = groups[0]
-    taken = [g.take_grad() for g in groups]
-    W = first.world
+    first = paths[0]
+    taken = [p.take_grad() for p in paths]
+    W = first.group.world
     cols = []
-    for g, t in zip(groups, taken):
-        cols.append(t.flat_grad.view(W, g.shard_numel))
-        row = g.flags_row(t.used, streams)
+    for p, t in zip(paths, taken):
+        cols.append(t.flat_grad.view(W, p.group.shard_numel))
+        row = p.flags_row(t.used, streams)
         cols.append(row.expand(W, row.numel()))
     n = sum(c.shape[1] for c in cols)
-    flat = streams.bucket("reduce_scatter", W * n, cols[0].dtype, first.device).view(W, n)
+    flat = streams.bucket("reduce_scatter", W * n, cols[0].dtype, first.group.device).view(W, n)
     torch.cat(cols, dim=1, out=flat)  # (see [Note: bucket buffers] in _streams.py)
     launches, at = [], 0
-    for g, t, row in zip(groups, taken, cols[1::2]):
-        n = g.shard_numel + row.shape[1]
-        launches.append(_GradLaunch(g, streams, None, _UsedFlags(t.used, inline=True), t.post,
+    for p, t, row in zip(paths, taken, cols[1::2]):
+        n = p.group.shard_numel + row.shape[1]
+        launches.append(_GradLaunch(p, streams, None, _UsedFlags(t.used, inline=True), t.post,
                                     (at, at + n)))
         at += n
-    pending = streams.reduce_scatter(flat.view(-1), first.rs_pg, taken[0].op, _fold_all(launches),
-                                     first.replicate_pg is not None,  # waited once, shared
-                                     (first.unit_fqn, f"{_REDUCE} (a bucket of {len(groups)} "
-                                                      "groups from here on)"))
+    g = first.group
+    pending = streams.reduce_scatter(flat.view(-1), g.rs_pg, taken[0].op, _fold_all(launches),
+                                     g.replicate_pg is not None,  # waited once, shared
+                                     (g.unit_fqn, f"{_REDUCE} (a bucket of {len(paths)} "
+                                                  "groups from here on)"))
     for launch in launches:
         launch.pending = pending
         launch.bucket = flat

@@ -34,7 +34,7 @@ import torch.nn as nn
 from . import _compat, _divergence
 from ._backward_plan import StepRecord
 from ._backward_schedule import BackwardSchedule
-from ._common import (META_FIX, Gather, Kept, Reshard, ShardedState,
+from ._common import (META_FIX, Gather, Kept, Reshard, RootSettings, ShardedState,
                       TrainingState, label, root_setting_fix, trace, unit_error)
 from ._flat_group import gather_bucket
 from ._forward_order import GRAD, NO_BACKWARD
@@ -51,9 +51,6 @@ class RootContext:
         self.root = root
         self.units = units
         self.communicates = communicates        # some group has world > 1
-        # the model's settings (FSDPModule's root setters; see RootSettings)
-        # (on the root unit, so a lazy init again after a cast keeps them)
-        self.settings = root.settings_for_root()
         self.streams = StreamManager(device)
         self.last_step_order = LastStepOrder()
         self.record = StepRecord()
@@ -68,10 +65,16 @@ class RootContext:
         self._callback_queued = False           # a backward runs: its final callback queued
         self._outer_task = -1                   # graph task of the backward we finish
 
+    @property
+    def settings(self) -> RootSettings:
+        """The model's settings (FSDPModule's root setters), a frozen value on
+        the root unit: a lazy init again after a cast keeps them."""
+        return self.root.root_settings
+
     def start_checks(self, checks: "_divergence.StepChecks") -> None:
         """Lazy init, where some group communicates: [Note: divergence]."""
         self.checks = checks
-        self.fingerprint = SettingsFingerprint(self.settings, self.units, checks)
+        self.fingerprint = SettingsFingerprint(self.root, self.units, checks)
 
     # ------------------------------------------------------------------ forward
     def root_pre_forward(self, entry: str = "forward") -> None:
@@ -138,7 +141,7 @@ class RootContext:
                 # root), or whose gradients have no hook (frozen), prefetches now.
                 late = unit.grads_hooked and unit.reshard_after_forward
                 self.backward.gather_up_to(self.backward.plan.stop(unit, prefetch=not late))
-        if not unit.unshard_in_backward and why in _NOT_IN_BACKWARD:
+        if not unit.settings.unshard_in_backward and why in _NOT_IN_BACKWARD:
             return
         if why is Gather.PREFETCH:
             if unit.is_unsharded:
@@ -161,7 +164,7 @@ class RootContext:
         """
         if not self.in_training_forward:
             return
-        targets = unit.forward_prefetch
+        targets = unit.settings.forward_prefetch
         if targets is None:
             targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
@@ -193,7 +196,7 @@ class RootContext:
         for v in order[i:]:
             nbytes = v.gather_bytes()
             if nbytes is None or (units and total + nbytes > limit) \
-                    or (backward and not v.unshard_in_backward):
+                    or (backward and not v.settings.unshard_in_backward):
                 break
             units.append(v)
             total += nbytes
@@ -240,7 +243,7 @@ class RootContext:
                 unit.reshard(to_post_forward=grad_follows)
             return True
         if event is Reshard.GRADS_COMPUTED:
-            if not (unit.reshard_after_backward and unit.uses == 1
+            if not (unit.settings.reshard_after_backward and unit.uses == 1
                     and not self.in_nested_backward() and group.state is not ShardedState.SHARDED):
                 return False
             trace("reshard", unit.fqn, "grads computed")
@@ -250,7 +253,7 @@ class RootContext:
             if not unit.is_unsharded or unit.kept is Kept.USER \
                     or (unit.kept is Kept.BACKWARD and not unit.is_stale()):
                 return False
-        elif not unit.reshard_after_backward:  # AFTER_BACKWARD, BACKWARD_END
+        elif not unit.settings.reshard_after_backward:  # AFTER_BACKWARD, BACKWARD_END
             return False
         unit.reshard()
         return True
@@ -319,7 +322,7 @@ class RootContext:
         for u in self.units:
             if abort:
                 for g in u.groups:
-                    g.drop_grad()
+                    g.grad.drop_grad()
             u.finish_backward(resharded=self.reshard(u, Reshard.BACKWARD_END))
         self.backward.end()
         self._callback_queued = False
@@ -351,6 +354,7 @@ def lazy_init_root(unit: Unit) -> None:
     # communicates where its mesh lives, like the units it holds
     device = unit.groups[0].device if unit.groups else unit.device
     pgs = _check_groups(units)
+    unit.make_root()
     ctx = RootContext(unit, units, device, communicates=any(g.world > 1 for u in units
                                                             for g in u.groups))
     for u in units:

@@ -10,42 +10,45 @@ by ``root_pre_forward``.
 """
 from __future__ import annotations
 
-from . import _collectives, _divergence
+from . import _collectives
 from ._common import TrainingState
 
 
 class SettingsFingerprint:
     """What shapes a phase's collectives besides the forward itself, of one
-    root: its settings and every unit's, as ints and bools only (hashed alike
-    in every process), and a function explaining them in lines (see [Note:
-    divergence]). Recomputed only after a setter or a requires_grad change."""
+    root: the hash of its frozen settings (``RootSettings``), every unit's
+    (``UnitSettings``) and which of its groups train, and a function
+    explaining them in lines (see [Note: divergence]). Ints and bools only
+    are hashed (alike in every process). Hashed again only when one of those
+    values changed (a setter or a ``requires_grad_()`` replaced it)."""
 
-    def __init__(self, settings, units: list, checks):
-        self.settings, self.units, self.checks = settings, units, checks
-        self._cached: tuple = (-1, None)  # (settings_generation, (hash, describe))
+    def __init__(self, root, units: list, checks):
+        self.root, self.units, self.checks = root, units, checks
+        self._key: tuple | None = None     # the values last hashed
+        self._cached: tuple | None = None  # (hash, describe)
 
     def current(self) -> tuple:
         """(settings, describe), as ``StepChecks.before`` takes them."""
-        if self._cached[0] != _divergence.settings_generation:
+        key = (self.root.root_settings, [u.settings for u in self.units],
+               [u.trains for u in self.units])
+        if key != self._key:  # (compares by identity first: O(units), no hashing)
             settings, describe = self._make_settings()
             # (hashed once: a tuple's hash is not cached, and this one has a
             # tuple per unit)
-            self._cached = (_divergence.settings_generation,
-                            (_Hashed(hash(settings)), describe))
-        return self._cached[1]
+            self._key, self._cached = key, (_Hashed(hash(settings)), describe)
+        return self._cached
 
     def _make_settings(self) -> tuple:
-        root, index = self.settings, self.checks.index
+        root, index = self.root.root_settings, self.checks.index
         settings = (root.prefetch_depth, root.bucket_bytes, root.gather_bucket_bytes,
                     root.is_last_backward, root.forward_order_dynamic, tuple(
-                        (u.requires_gradient_sync, u.reshard_after_forward,
-                         u.reshard_after_backward, u.unshard_in_backward,
-                         tuple(g.requires_grad for g in u.groups),
-                         tuple(g.requires_all_reduce for g in u.groups
+                        (s.requires_gradient_sync, u.reshard_after_forward,
+                         s.reshard_after_backward, s.unshard_in_backward, u.trains,
+                         tuple(s.reduce.requires_all_reduce for g in u.groups
                                if g.replicate_pg is not None),
-                         _positions(index, u.forward_prefetch),
-                         _positions(index, u.backward_prefetch))
-                        for u in self.units))
+                         _positions(index, s.forward_prefetch),
+                         _positions(index, s.backward_prefetch))
+                        for u, s in ((u, u.settings) for u in self.units)))
         names = self.checks.names
 
         def describe() -> list[str]:

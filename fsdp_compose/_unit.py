@@ -29,21 +29,24 @@ unsharded until its post-backward (or the root's final callback).
 """
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import _compat, _divergence
-from ._common import (Gather, Kept, Reshard, RootSettings, ShardedState, TrainingState,
-                      label, trace, unit_error, weak_hook)
+from . import _compat
+from ._common import (Gather, Kept, ReduceSettings, Reshard, RootSettings, ShardedState,
+                      TrainingState, UnitSettings, label, trace, unit_error, weak_hook)
 from ._extension import gather_together
 from ._flat_group import FlatGroup
 from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
 if TYPE_CHECKING:
     from ._state import RootContext
+
+_REDUCE_FIELDS = {f.name for f in fields(ReduceSettings)}
 
 
 class Unit:
@@ -61,14 +64,10 @@ class Unit:
         # their gradients from autograd, see [Note: world size 1]); follows
         # requires_grad_() on the Parameters (see _sync_requires_grad); see hook_groups
         self.trainable: list[FlatGroup] = []
+        self.trains: tuple[bool, ...] = ()  # each group's requires_grad (see hook_groups)
         self.fqn = label
-        self.set_reshard_after_forward(reshard_after_forward)  # (resolved: reshard_after_forward)
-        # False: stay gathered after backward (the next forward all-gathers
-        # nothing, unless an optimizer step changed a shard meanwhile)
-        self.reshard_after_backward = True
-        # False (set_unshard_in_backward): backward does not need the parameters
-        # (e.g. an embedding): no all-gather for this unit in backward
-        self.unshard_in_backward = True
+        # the user's settings (resolved: reshard_after_forward), see update_settings
+        self.settings = UnitSettings(reshard_after_forward=reshard_after_forward)
         self.kept = Kept.NO  # left unsharded between steps, and why (see keep)
         mp = mp_policy
         self._cast_inputs = mp.param_dtype if mp is not None and mp.cast_forward_inputs else None
@@ -78,14 +77,10 @@ class Unit:
         self.hook_handles: list = []  # its forward pre/post hooks (see passive)
         self._forward_depth = 0   # >0 while inside any module of this unit
         self._posted = False      # post_forward ran for the call ending now (see forward_ended)
-        # the model's settings, where a root setter was called on this unit before
-        # lazy init (see RootSettings): None on every other unit
+        # the model's settings, on the root, or where a root setter was called
+        # on this unit before lazy init (see RootSettings): None on every other unit
         self.root_settings: RootSettings | None = None
-        self.forward_prefetch: list[Unit] | None = None   # explicit; None: by order
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
-        self.backward_prefetch: list[Unit] | None = None
-        # False: keep accumulating the unsharded flat gradient, no reduce-scatter
-        self.requires_gradient_sync = True
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
         self._grad_in_outer = False  # ... the outer backward accumulates into its flat
@@ -98,9 +93,10 @@ class Unit:
         a cast or move re-made every group's flat (FSDPModule._apply): which
         groups are direct may have changed."""
         self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
+        self.trains = tuple(g.requires_grad for g in self.groups)
         self._ready.clear()
-        _divergence.settings_changed()
         for g in self.groups:
+            g.grad.settings = self.settings.reduce
             if not g.direct:  # (registered on the flat whenever it requires grad)
                 g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
 
@@ -125,10 +121,27 @@ class Unit:
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
 
-    def set_reshard_after_forward(self, value: bool | int | None) -> None:
-        """The user's setting (fully_shard's argument, set_reshard_after_forward);
-        ``reshard_after_forward`` resolves it."""
-        self._reshard_after_forward = value
+    def update_settings(self, **changes) -> None:
+        """The one way a unit's settings change (fully_shard, FSDPModule's
+        setters): a new ``UnitSettings`` with ``changes``; the fields of
+        ``ReduceSettings`` go to its ``reduce``, which the groups' gradient
+        paths then read. Every rank must make the same changes (the step
+        checks compare them: ``SettingsFingerprint``)."""
+        reduce = {k: changes.pop(k) for k in _REDUCE_FIELDS & changes.keys()}
+        settings = replace(self.settings, **changes)
+        if reduce:
+            settings = replace(settings, reduce=replace(settings.reduce, **reduce))
+            for g in self.groups:
+                g.grad.settings = settings.reduce
+        self.settings = settings
+
+    def update_root_settings(self, where: str, **changes) -> RootSettings:
+        """The one way the model's settings change: a root setter (``where``)
+        called on this unit (FSDPModule._root_setting checks it is the root,
+        where that is known)."""
+        settings = self.root_settings or RootSettings()
+        self.root_settings = replace(settings, called=settings.called | {where}, **changes)
+        return self.root_settings
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -142,9 +155,8 @@ class Unit:
         in per step is skipped."""
         if self.groups and all(g.aliased for g in self.groups):
             return False
-        if self._reshard_after_forward is None:
-            return not is_root
-        return bool(self._reshard_after_forward)
+        value = self.settings.reshard_after_forward
+        return not is_root if value is None else bool(value)
 
     def set_fqn(self, fqn: str, prefix: dict[int, str]) -> None:
         """Named by the root (lazy init): its FQN, and each parameter's from
@@ -162,12 +174,11 @@ class Unit:
         the next forward (a cast or move re-made the groups)."""
         self.ctx = ctx
 
-    def settings_for_root(self) -> RootSettings:
-        """The model's settings, made on first use: by the root's RootContext,
-        or by a root setter (FSDPModule._root_setting) called on this unit."""
+    def make_root(self) -> None:
+        """Lazy init made this unit a root: its model settings exist from now
+        on (the defaults unless a root setter was called)."""
         if self.root_settings is None:
             self.root_settings = RootSettings()
-        return self.root_settings
 
     def keep(self, why: Kept) -> None:
         """Whether (and why) the unit stays unsharded between steps; read by
@@ -306,7 +317,7 @@ class Unit:
             changed |= g.sync_requires_grad()
         if changed:
             self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
-            _divergence.settings_changed()
+            self.trains = tuple(g.requires_grad for g in self.groups)
 
     @staticmethod
     def _cast(dtype, tree):
@@ -337,8 +348,8 @@ class Unit:
                     continue
                 g.refresh_views()
                 if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    if g.on_grads_computed is None:  # (called by the split node's pre-hook)
-                        g.set_grads_computed_hook(weak_hook(self, "_grads_computed", g))
+                    if g.grad.on_grads_computed is None:  # (called by the split node's pre-hook)
+                        g.grad.set_grads_computed_hook(weak_hook(self, "_grads_computed", g))
                     self.grads_hooked = True
 
     @_compat.outside_functorch
@@ -443,22 +454,23 @@ class Unit:
         trace("post_backward", self.fqn, self.state.name)
         self.state = TrainingState.POST_BACKWARD
         ctx.reshard(self, Reshard.AFTER_BACKWARD)
-        if not self.requires_gradient_sync:
+        if not self.settings.requires_gradient_sync:
             for g in self.trainable:
-                g.stash_unsynced_grad()
+                g.grad.stash_unsynced_grad()
         ctx.reduce(self)
 
     def completes_reduction(self) -> bool:
         """Reducing now ends in p.grad: gradient sync on and, with HSDP, the
         all-reduce across replicas on (else the reduction stays pending)."""
-        return self.requires_gradient_sync and all(
-            g.requires_all_reduce or g.replicate_pg is None for g in self.trainable)
+        s = self.settings
+        return s.requires_gradient_sync and (
+            s.reduce.requires_all_reduce or all(g.replicate_pg is None for g in self.trainable))
 
     def launch_reduce_scatters(self, streams) -> list:
         got = any(g.flat.grad is not None for g in self.trainable)
         trace("reduce_scatter", self.fqn, "ready" if got else "zero-filled")
         with label("reduce_scatter", self.fqn):
-            return [g.launch_reduce_scatter(streams) for g in self.trainable]
+            return [g.grad.launch_reduce_scatter(streams) for g in self.trainable]
 
     def finish_backward(self, resharded: bool) -> None:
         """The end of a backward (``RootContext.reset``, for every unit, after
