@@ -1,6 +1,6 @@
-"""The few private torch entry points we need, each with why.
-
-Everything else in the package uses public torch APIs only.
+"""The few private torch entry points we need, each with why (the list:
+docs/design.md, "Private torch APIs"). The rest of the package uses public
+torch APIs only.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from torch.utils import _pytree
 def queue_final_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once when the current backward pass finishes.
 
-    Why private: the autograd engine exposes no public "end of backward" hook;
-    the root needs one to finish reduce-scatters and reshard units whose
-    post-backward never fired. FSDP1/FSDP2 use the same entry point.
+    Why private: autograd has no public end-of-backward hook (the root finishes
+    reduce-scatters and reshards there); FSDP1/FSDP2 use the same one.
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -56,13 +55,12 @@ def will_execute(node) -> bool:
 
 
 def default_store():
-    """The default process group's store (``init_process_group``'s, behind its prefix).
+    """The default process group's store (``init_process_group``'s, behind its
+    prefix). Raises ValueError without a default process group.
 
-    Why private: ranks that diverge need a channel outside the process group,
-    whose collectives are what no longer match (see [Note: divergence] in
-    _divergence.py); the default store is one every job already has, and
-    torch has no public getter for it. Raises ValueError without a default
-    process group.
+    Why private: diverging ranks need a channel outside the process group
+    ([Note: divergence] in _divergence.py); every job has this store, and
+    torch has no public getter for it.
     """
     from torch.distributed import distributed_c10d
 
@@ -72,14 +70,12 @@ def default_store():
 def checkpoint_region() -> int | None:
     """An id of the innermost non-reentrant activation-checkpoint region the
     caller's forward runs in (``torch.utils.checkpoint``, also under
-    ``checkpoint_wrapper`` and HF's gradient checkpointing), else None.
+    ``checkpoint_wrapper`` and HF's gradient checkpointing), else None. For
+    the backward's collective order (_backward_schedule.py).
 
-    Why private: the stack of saved-tensors hooks is only readable through
-    ``torch._C._autograd._top_saved_tensors_default_hooks``; a checkpoint
-    region is told from other saved-tensors hooks (``save_on_cpu``, a user's)
-    by its pack hook, a closure made per region in ``torch.utils.checkpoint``.
-    Used for the backward's collective order (see _backward_schedule.py): the recompute of
-    a region gathers all of its units before any of their gradients exists.
+    Why private: the saved-tensors hooks stack is only readable through
+    ``_top_saved_tensors_default_hooks``; a checkpoint region's pack hook (a
+    closure per region, unlike ``save_on_cpu``'s or a user's) names it.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
@@ -94,14 +90,11 @@ def reentrant_checkpoint_region() -> int | None:
     """An id of the innermost reentrant activation checkpoint
     (``checkpoint(..., use_reentrant=True)``, also under ``checkpoint_wrapper``
     and HF's gradient checkpointing) whose forward is running, else None.
+    Used like ``checkpoint_region``, for no-grad forwards inside training.
 
-    Why private: a reentrant checkpoint runs its function under
-    ``torch.no_grad()`` inside ``CheckpointFunction.forward`` and leaves no
-    other trace (no saved-tensors hooks); its frame is found on the Python
-    stack (``sys._getframe``), and its ``ctx`` (alive until the backward) names
-    it. Asked only for units whose forward runs without grad inside a training
-    forward. Used like ``checkpoint_region``: the recompute gathers the
-    region's units before any of their gradients exists.
+    Why private: such a checkpoint leaves no trace but its
+    ``CheckpointFunction.forward`` frame (``sys._getframe``), whose ``ctx``
+    (alive until the backward) names it.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -114,9 +107,8 @@ def reentrant_checkpoint_region() -> int | None:
 def profiler_enabled() -> bool:
     """True while a torch profiler is recording.
 
-    Why private: ``record_function`` costs tens of microseconds per call even
-    when nothing records; the hooks label their phases only while a profiler
-    is active, and torch has no public query for that.
+    Why private: the hooks label phases only then (``record_function`` costs
+    tens of microseconds per call even unrecorded); no public query exists.
     """
     return torch._C._autograd._profiler_enabled()
 
@@ -125,10 +117,9 @@ def tree_leaves(tree: Any) -> list:
     """Flatten outputs (tuples, dicts, NamedTuples, HF ModelOutput ...) to leaves.
 
     Why private: ``torch.utils._pytree`` is the registry every torch and HF
-    container type registers with; there is no public flattener with that
-    coverage in torch 2.13. What it leaves whole (a dataclass, a dict, list or
-    tuple subclass nobody registered) is opened here (``_children``): a tensor
-    inside one must get its pre-backward hook too.
+    container type registers with; torch 2.13 has no public flattener of that
+    coverage. What it leaves whole (an unregistered dataclass, dict, list or
+    tuple subclass) is opened too (``_children``): its tensors need hooks.
     """
     out = []
     for leaf in _pytree.tree_leaves(tree):
@@ -180,13 +171,9 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> A
 
 def functorch_disabled():
     """A context in which functorch transforms (``torch.func.jvp``, ``vmap`` ...)
-    do not intercept tensor operations; a no-op when none is active.
-
-    The hooks all-gather into, view, free and swap the unit's own buffers,
-    which are not inputs of the function being transformed; under a transform
-    every operation's result is wrapped (the all-gather then addresses a
-    wrapper without storage). Why private: torch has no public way out of a
-    transform; FSDP2 wraps its unshard / reshard in the same guard.
+    do not intercept tensor operations (which would wrap the unit's own
+    buffers: an all-gather into a wrapper without storage); a no-op when none
+    is active. Why private: no public way out of a transform; FSDP2 uses it.
     """
     if torch._C._are_functorch_transforms_active():
         return torch._C._DisableFuncTorch()
@@ -212,14 +199,12 @@ def guard_torch_clip_helper(check: Callable[[Any], None]) -> Callable[[], None] 
     """Make torch's own ``clip_grad_norm_`` call ``check(parameters)`` before
     clipping; returns what undoes it (None: nothing was done).
 
-    Why private: ``torch.nn.utils.clip_grad_norm_`` computes a rank-local norm
-    on sharded parameters (see [Note: torch.nn.utils.clip_grad_norm_] in
-    _torch_hooks.py). The public names are routed to ours, but a reference to
-    torch's function taken before that still runs torch's body, which looks up
-    its helper ``_clip_grads_with_norm_`` in its module at call time: wrapping
-    that helper is the one place where such a call can be made loud instead of
-    silently wrong. The public alias ``torch.nn.utils.clip_grads_with_norm_``
-    (a separate name, used by fsdp_compose.clip_grad_norm_) is left alone.
+    Why private: torch's ``clip_grad_norm_`` is rank-local on sharded
+    parameters ([Note: torch.nn.utils.clip_grad_norm_] in _torch_hooks.py); a
+    reference to it taken before the public names were routed to ours still
+    looks up ``_clip_grads_with_norm_`` at call time, the one seam where that
+    call can raise. The public ``torch.nn.utils.clip_grads_with_norm_`` (used
+    by fsdp_compose.clip_grad_norm_) is left alone.
     """
     from torch.nn.utils import clip_grad
 
@@ -242,18 +227,14 @@ def guard_torch_clip_helper(check: Callable[[Any], None]) -> Callable[[], None] 
 
 def crc_checked_reader(path) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` that checks
-    the CRC-32 of every item it reads before torch unpickles it.
+    the CRC-32 of every item it reads before torch unpickles it: OSError on
+    a truncated or corrupted item. Not checked: records without a CRC (stored
+    as 0), items under a storage transform, and every item where the reader
+    has no ``_slice_file`` (another torch version: the plain reader).
 
-    Why private: DCP's ``FileSystemReader`` writes each item as a ``torch.save``
-    zip record, whose CRC-32 ``torch.save`` computes (``set_crc32_options``), but
-    neither DCP nor ``torch.load`` checks it on load: a flipped byte inside a
-    tensor's data loads silently. The one seam where the bytes of an item pass
-    by is the reader's private ``_slice_file(file, storage_info)``; this
-    subclass reads the item there (it is read whole anyway), checks it and
-    hands torch the same bytes. Where that seam is missing (another torch
-    version), or the item went through a storage transform (compression), the
-    plain reader's behaviour is kept. Records written without a CRC
-    (``set_crc32_options(False)`` stores 0) are not checked.
+    Why private: ``torch.save`` writes the CRC-32 but neither DCP nor
+    ``torch.load`` checks it; the reader's ``_slice_file`` is the one seam
+    where an item's bytes pass (read whole there anyway).
     """
     import io
     import struct
@@ -309,13 +290,10 @@ def dcp_flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
     key's path in ``state_dict``.
 
     Why private: ``load_checkpoint``'s verification ([Note: verified load] in
-    _load_checkpoint.py) lets DCP plan and perform this rank's reads into a
-    description of the state dict made of meta tensors, which keeps nothing.
-    ``DefaultLoadPlanner.set_up_planner`` first allocates every meta tensor of
-    the state dict (``_init_state_dict``, meant for loading into a model still
-    on meta): the copy of the state the verification exists to avoid. Our
-    planner's ``set_up_planner`` skips that step and does the rest, which is
-    this flattening; it must give DCP's own keys, so it is DCP's function.
+    _load_checkpoint.py) has DCP plan this rank's reads into meta tensors;
+    ``DefaultLoadPlanner.set_up_planner`` would allocate them all (the copy
+    the verification avoids), so our planner does only the rest of it, this
+    flattening, which must give DCP's own keys.
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     return flatten_state_dict(state_dict)
@@ -324,11 +302,9 @@ def dcp_flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
 def dtensor_local(t) -> torch.Tensor:
     """The local tensor object a DTensor holds (not a view of it).
 
-    Why private: torchao's ``precompute_float8_dynamic_scale_for_fsdp``
-    stores each weight's scale on ``weight._local_tensor``, the object whose
-    ``fsdp_pre_all_gather`` the next all-gather must call (FSDP2 reads
-    ``sharded_param._local_tensor`` alike). ``DTensor.to_local()`` of an
-    ``nn.Parameter`` DTensor returns a fresh view in torch 2.13 (gh-166156),
-    without that attribute.
+    Why private: torchao's ``precompute_float8_dynamic_scale_for_fsdp`` stores
+    the scale on ``weight._local_tensor``, whose ``fsdp_pre_all_gather`` the next
+    all-gather must call (as FSDP2 does); ``to_local()`` of an ``nn.Parameter``
+    DTensor is a fresh view without it in torch 2.13 (gh-166156).
     """
     return t._local_tensor

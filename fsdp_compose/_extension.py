@@ -1,64 +1,22 @@
 """FSDP2's all-gather extension: a parameter's tensor subclass chooses what is gathered.
+What is refused: ``check_params``. Decisions and measurements: docs/design.md,
+"All-gather extension".
 
 [Note: all-gather extension]
 A parameter whose class defines ``fsdp_pre_all_gather`` and
-``fsdp_post_all_gather`` (torchao's ``WeightWithDynamicFloat8CastTensor``
-with ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``) is gathered
-as FSDP2 gathers it, with the calls torch 2.13's FSDP2 makes:
-
-- ``inputs, metadata = local.fsdp_pre_all_gather(mesh)``, or, when the
-  method takes five arguments, ``(mesh, outer_size, outer_stride, module,
-  mp_policy)`` (the global shape, its contiguous stride, the module that
-  holds the parameter, the unit's policy as torch's ``MixedPrecisionPolicy``);
-  ``local`` is the subclass around this rank's rows of the fp32 (or
-  whatever dtype) master shard, which the optimizer steps;
-- each returned tensor is all-gathered into a buffer of its own dtype
-  (``W`` × its size, moved as bytes: gloo has no float8), in rank order;
-  a unit's extension groups share ONE all-gather (``gather_together``:
-  their inputs' bytes end to end, each output's rows copied out at its
-  group's wait), as FSDP2 packs a unit;
-- the first time, ``unsharded, inner = local.fsdp_post_all_gather(outputs,
-  metadata, param_dtype)``, and the module computes with ``unsharded`` (cut
-  to the global shape when the outputs are padded); afterwards the same
-  objects are reused: the output buffers' storage is freed at reshard and
-  re-allocated at the next gather (``untyped_storage().resize_``), and
-  ``fsdp_post_all_gather(..., out=unsharded)`` refreshes what is not in
-  them (float8: the scale).
-
-Where such a parameter lives: alone in its own flat group
-(``ExtensionGroup``), its rows laid out as FSDP2's (``_layout.chunked``:
-``torch.chunk`` on dim 0), so that the subclass sees, on every rank, the
-rows, the ``outer_size`` and the padding contract it sees under FSDP2. While
-sharded the module holds what FSDP2's would: an ``nn.Parameter`` DTensor
-``Shard(0)`` over the unit's mesh, global shape, wrapping the subclass around
-this rank's rows (a view of the group's shard: the optimizer writes the
-master). That is what torchao's ``precompute_float8_dynamic_scale_for_fsdp``
-looks for (``isinstance(weight, DTensor)`` and its local tensor the
-subclass); it stores the scale on that local tensor, which is the one whose
-``fsdp_pre_all_gather`` the next gather calls. ``p.grad`` is a DTensor of the
-same placement over the gradient rows (the group's gradient shard).
-
-Backward: the module's unsharded tensor is the output of ``_Unsharded`` (an
-autograd Function) whose input is the group's flat leaf. That leaf has the
-flat's shape and the compute dtype, but no storage (it is never gathered:
-the subclass's buffers are), so the Function's backward hands autograd the
-parameter's gradient as the flat gradient (a reshape), and everything after
-it -- the post-accumulate hook, the reduce-scatter into the master-dtype
-gradient shard, the used-flags, accumulation without sync -- is the plain
-groups' path (_grad_path.py). The Function's node stands where a plain
-group's split node stands (its pre-hook, ``split_node``).
-
-What is not supported (``check_params`` raises at ``fully_shard``, naming
-the parameter): a class defining one of the two methods only, a
-``fsdp_pre_all_gather`` with another number of arguments than 1 or 5,
-a subclass we cannot rebuild around a rank's rows (it must be a traceable
-wrapper subclass, ``__tensor_flatten__`` / ``__tensor_unflatten__``, with one
-inner tensor of its shape and dtype), a 0-d parameter, a tensor-parallel
-DTensor wrapping the subclass, HSDP meshes, ``reshard_after_forward=N``
-(FSDP2 raises in backward there), ``shard_granularity="tensor"``, and the
-one-argument form over a dim-0 size the shard world size does not divide
-(it cannot pad; under FSDP2 the ranks would gather different sizes). Casts
-and moves after ``fully_shard`` (``model.to(...)``) raise at the cast.
+``fsdp_post_all_gather`` (torchao float8) is gathered with torch 2.13 FSDP2's
+calls, on FSDP2's rows (``_layout.chunked``), alone in an ``ExtensionGroup``:
+- sharded, the module holds an ``nn.Parameter`` DTensor ``Shard(0)`` over the
+  unit's mesh, global shape, wrapping the subclass around a view of this
+  rank's rows of the master shard: the object torchao's ``precompute_*``
+  writes its scale to and the next pre-all-gather is called on. ``p.grad``:
+  the same over the gradient shard;
+- each tensor ``fsdp_pre_all_gather`` returns (1 or 5 arguments) is gathered
+  as bytes into its own output, reused (storage freed at reshard); a unit's
+  extension groups share ONE all-gather (``gather_together``). The first wait
+  calls ``fsdp_post_all_gather``, later ones pass its result as ``out=``;
+- backward: ``_Unsharded`` hands the gradient to the storage-less flat leaf as
+  the flat gradient; from there on it is the plain groups' path (_grad_path.py).
 """
 from __future__ import annotations
 
@@ -100,7 +58,13 @@ def _arity(t: torch.Tensor) -> int:
 
 def check_params(label: str, params: list, *, mesh, post_forward_size, granularity: str) -> None:
     """Refuse, naming the parameter, what the extension path cannot honour
-    (see [Note: all-gather extension])."""
+    ([Note: all-gather extension]): one of the two methods only (ValueError);
+    a ``fsdp_pre_all_gather`` taking neither 1 nor 5 arguments (TypeError); a
+    class that is not a traceable wrapper subclass with one inner tensor of the
+    parameter's shape and dtype, a 0-d parameter, a tensor-parallel DTensor
+    wrapping it, a 2-D mesh (NotImplementedError); ``reshard_after_forward=N``,
+    ``shard_granularity="tensor"``, the one-argument form over a dim 0 the
+    shard world size does not divide (ValueError)."""
     for p, _slots, fqn in params:
         if not defines_extension(p):
             continue
@@ -186,7 +150,10 @@ class _Unsharded(torch.autograd.Function):
 
 
 class ExtensionGroup(FlatGroup):
-    """One parameter whose class defines the all-gather extension, see the Note."""
+    """One parameter whose class defines the all-gather extension, see the Note.
+    A cast or move after ``fully_shard`` raises NotImplementedError; a gather
+    raises where the pre-all-gather's inputs are not padded to the padded
+    shard (five arguments, uneven rows) or change shape or dtype."""
 
     def __init__(self, unit_fqn: str, params: list, *, mp_policy=None, **kw):
         (p, slots, _fqn), = params

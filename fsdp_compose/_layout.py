@@ -1,60 +1,22 @@
 """Where each parameter's rows live: the layout of one flat group. Pure arithmetic.
+How the layouts are found, and what they cost: docs/design.md, "Row-granular
+shards", "Row-granular shards at scale", "Tensor-granular shards".
 
 [Note: shard layout]
-A flat group of ``W`` ranks is one unsharded buffer (the *flat*) in which rank
-r keeps the contiguous range ``[bounds[r], bounds[r+1])`` as its local shard.
-The all-gather's input is the shard and its output is the flat (every rank's
-range in place), and the reduce-scatter the reverse: zero-copy both ways.
-
-Every parameter is *contiguous* in the flat (starting at ``offsets[i]``, a
-multiple of the alignment): its full-shape view is a plain view, whatever
-ranks it spans. What makes that possible is where the rank boundaries fall
-inside it:
-
-- *row granularity* (the default): a boundary inside a parameter falls
-  between two of its dim-0 rows, so each rank's piece is a block of whole
-  rows, shape ``(rows_r, *shape[1:])`` (0 rows allowed). Two forms, chosen per
-  group by ``plan``:
-
-  * *equal chunks* (``Layout.even``): ``bounds[r] = r·S``, so the collectives
-    are the equal-size ones (one ``all_gather_into_tensor`` on NCCL).
-    Parameters are laid out in order, each at the next aligned position; one
-    that would cross the end of a chunk at a place that is not a row boundary
-    is first moved forward by less than ``lcm(row, alignment)`` elements
-    (padding) to a position from which the boundary is a row boundary. A
-    parameter that crosses two boundaries or more holds a whole chunk, which
-    must then be whole rows: the chunk size is a multiple of its row size.
-    ``S`` is the smallest multiple of the alignment, from ``total / W`` up,
-    with which this fill is valid and fits in ``W`` chunks. When parameters
-    of different row sizes each span several chunks (a transformer block over
-    hundreds of ranks), ``S`` must be a multiple of the lcm of their rows:
-    padding without bound (3.6x the even share for a Llama-7B block at 1024
-    ranks).
-  * *uneven pieces*: the parameters end to end (aligned), no padding but the
-    alignment, and each boundary at the allowed position (a row boundary at
-    an aligned offset) nearest its target, so a rank's piece differs from its
-    share by less than about one row. The targets carry the ranks' loads from
-    earlier groups (``before``): boundary r aims at ``r·(Σbefore + T)/W``
-    minus what ranks ``< r`` hold already, so over a model the *sum* of a
-    rank's pieces stays within about one row of ``total / W`` however many
-    groups it has (identical blocks would otherwise put their extra rows on
-    the same ranks). The collectives are uneven (W broadcasts / reduces,
-    _collectives.py). ``numel`` is rounded up to ``W·align`` (the flat's
-    tail, never gathered) so that ``reshard_after_forward=N`` can split it
-    in N equal parts.
-
-  ``plan`` takes equal chunks when they pad by at most ``total/64`` or one
-  row (the group's longest, aligned) per rank, uneven pieces otherwise
-  (docs/design.md, "Row-granular shards at scale").
-- *tensor granularity* (opt-in): each parameter lies whole in one chunk
-  (equal chunks); the parameters are assigned largest first to the rank that
-  holds the fewest elements so far (ties: the lower rank), deterministic, and
-  laid out in their own order inside each chunk; ``S`` is the largest rank's
-  load. Other ranks' pieces are empty.
-
-A 0-d parameter is one row of one element; a 1-d parameter's rows are its
-elements. Every piece starts at a multiple of the alignment in its rank's
-shard.
+A flat group of ``W`` ranks is one unsharded buffer (the *flat*, ``numel``
+elements) in which rank r's shard is the range ``[bounds[r], bounds[r+1])``:
+the all-gather (shard in, flat out) and the reduce-scatter are zero-copy.
+Every parameter is contiguous in the flat from ``offsets[i]``, a multiple of
+the alignment, so its full-shape view is a plain view; every piece starts at
+a multiple of the alignment in its rank's shard.
+- *row granularity* (default): a boundary inside a parameter falls between
+  two dim-0 rows, so a piece is ``(rows_r, *shape[1:])``, 0 rows allowed (a
+  0-d parameter is one row of one element, a 1-d one's rows its elements).
+  ``plan`` takes *equal chunks* (``Layout.even``: ``bounds[r] = r·chunk``,
+  equal-size collectives) or *uneven pieces* (only alignment padding, each
+  rank's sum over groups within about a row of its share; ``numel`` a
+  multiple of ``W·align``, the tail never gathered; uneven collectives).
+- *tensor granularity* (opt-in): each parameter lies whole in one rank's chunk.
 """
 from __future__ import annotations
 
@@ -209,12 +171,14 @@ def plan(slots: Sequence[Slot], world: int, align: int, granularity: str = "row"
          before: Sequence[int] | None = None, even: bool | None = None) -> Layout:
     """The layout of a group of ``slots`` over ``world`` ranks, every piece
     starting at a multiple of ``align`` elements (see [Note: shard layout]).
+    Row granularity takes equal chunks while they pad by at most
+    ``total / EVEN_PADDING`` or one row (the group's longest, aligned) per
+    rank, else uneven pieces; ``even`` forces one (True: equal, False: uneven).
 
     ``before``: the elements each rank already holds in earlier groups over the
-    same ranks (in this group's element size); uneven row pieces even out the
-    sums (None: nothing). ``even``: row granularity only, force equal chunks
-    (True) or uneven pieces (False) instead of choosing (None); for tests and
-    measurements.
+    same ranks (in this group's element size), which uneven pieces even out
+    (None: nothing). Raises ValueError for another granularity, or a
+    ``before`` whose length is not ``world``.
     """
     slots = tuple(slots)
     if granularity == "tensor":
@@ -270,7 +234,9 @@ _LINEAR_TRIES = 256
 
 def _row_layout(slots: tuple[Slot, ...], world: int, align: int,
                 limit: int | None = None) -> tuple[int, list[int]] | None:
-    """Equal chunks: (S, offsets), or None if S would exceed ``limit``."""
+    """Equal chunks: (S, offsets), S searched from ``total / world`` up (by
+    ``align``, later by the rows it must be a multiple of) for a valid
+    ``_fill`` that fits in ``world`` chunks; None if S would exceed ``limit``."""
     total = sum(_ceil_to(s.numel, align) for s in slots)
     chunk = max(align, _ceil_to(-(-total // world), align))
     if limit is not None:
@@ -304,7 +270,8 @@ def _row_layout(slots: tuple[Slot, ...], world: int, align: int,
 def _uneven(slots: tuple[Slot, ...], world: int, align: int,
             before: Sequence[int] | None) -> Layout:
     """Uneven pieces (see [Note: shard layout]): parameters end to end, each
-    boundary at the allowed position nearest its target."""
+    boundary at the allowed position nearest its target, ``r·(Σbefore + T)/W``
+    minus what ranks ``< r`` hold already."""
     offsets, starts, steps, ends, pos = [], [], [], [], 0
     for s in slots:
         pos = _ceil_to(pos, align)
@@ -344,6 +311,8 @@ def _uneven(slots: tuple[Slot, ...], world: int, align: int,
 
 
 def _tensor_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:
+    """(S, offsets): largest first to the least-loaded rank (ties: the lower),
+    in slot order inside each chunk; S is the largest load."""
     load = [0] * world
     owner = [0] * len(slots)
     for i in sorted(range(len(slots)), key=lambda i: (-slots[i].numel, i)):

@@ -3,9 +3,8 @@ tensors that show it (the sharded Parameter, the full-shape view).
 
 ``make_entries`` reads a group's layout (_layout.py, [Note: shard layout])
 for one rank; ``ParamEntry.piece`` cuts a parameter's piece out of any
-shard-sized buffer (the shard, the gradient shard). FSDP2's ``FSDPParam``
-holds the same facts, and also moves the data; here the flat group does
-(_flat_group.py), for all its entries at once.
+shard-sized buffer (the shard, the gradient shard). The flat group
+(_flat_group.py) moves the data, for all its entries at once.
 """
 from __future__ import annotations
 
