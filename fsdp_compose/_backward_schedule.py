@@ -51,10 +51,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _compat
+from . import _compat, _group_ops
 from ._backward_plan import BackwardPlan, build_plan
-from ._common import Gather, Reshard, label, trace
-from ._grad_path import launch_bucket
+from ._common import Gather, Reshard, TrainingState, label, trace
 
 if TYPE_CHECKING:
     from ._state import RootContext
@@ -83,6 +82,9 @@ class BackwardSchedule:
         self._launched: set = set()
         self._bucket: list = []    # units waiting to be reduced as one bucket
         self._bucket_bytes = 0     # ... and their flat gradients' size
+        # units whose flat gradient the outer backward accumulates into too
+        # (asked of the engine at their pre-backward outside a nested backward)
+        self._grad_in_outer: dict = {}
 
     @property
     def plan(self) -> BackwardPlan:
@@ -119,6 +121,56 @@ class BackwardSchedule:
             self.gather_up_to(self.plan.stop(unit))
         self.finish_in_flight()
 
+    def pre_backward(self, unit: Unit) -> None:
+        """A gradient reached ``unit``'s outputs: gather it (and what comes
+        before it in the gather order). After its gradients were already
+        reduced in this backward (a reentrant checkpoint inside a unit called
+        twice: each call's gradient comes in its own nested backward) it is
+        gathered again, and its next post-backward reduces the rest
+        (reduce-scatter is linear: the parts add up in the gradient shard)."""
+        ctx = self.ctx
+        if unit.state is TrainingState.POST_BACKWARD:
+            trace("pre_backward_again", unit.fqn, unit.state.name)
+            unit.start_backward()
+            ctx.gather(unit, Gather.AGAIN)
+            unit.wait_for_unshard()
+            return
+        trace("pre_backward", unit.fqn, unit.state.name)
+        unit.start_backward()
+        if not ctx.in_nested_backward():  # will the outer backward accumulate into it
+            self._grad_in_outer[unit] = any(
+                _compat.will_execute(g.split_node.next_functions[0][0])
+                for g in unit.trainable if g.split_node is not None)
+        with label("pre_backward", unit.fqn):
+            ctx.gather(unit, Gather.BACKWARD)
+            unit.wait_for_unshard()
+
+    def grads_ready(self, unit: Unit) -> None:
+        """Every trainable group of ``unit`` accumulated its flat gradient.
+
+        Inside a nested backward (a reentrant checkpoint inside the unit, each
+        use's gradient in its own nested backward), while uses are still to
+        come or the outer backward brings a part too (parameters used outside
+        the checkpoint), this is a part: the unit stays gathered and flat.grad
+        accumulates. (Reducing the part at once, and the rest again, would
+        depend on each rank's graph: when a unit is skipped on another rank,
+        the ranks would issue different reduce-scatters.) Else: the unit's
+        AFTER_BACKWARD reshard decision, the unsynced stash
+        (``set_requires_gradient_sync(False)``), and its reduction."""
+        ctx = self.ctx
+        if ctx.in_nested_backward() and (unit.more_uses_to_come()
+                                         or self._grad_in_outer.get(unit, False)):
+            trace("partial_grad", unit.fqn, unit.state.name)
+            unit.keep_accumulating()
+            return
+        trace("post_backward", unit.fqn, unit.state.name)
+        unit.end_backward()
+        ctx.reshard(unit, Reshard.AFTER_BACKWARD)
+        if not unit.settings.requires_gradient_sync:
+            for g in unit.trainable:
+                g.grad.stash_unsynced_grad()
+        self.reduce(unit)
+
     def gather_up_to(self, stop: int, final: bool = False) -> None:
         """Issue the gather order up to index ``stop``, each all-gather after
         the reduce-scatters slotted before it (see [Note: one order across
@@ -152,7 +204,7 @@ class BackwardSchedule:
         if unit in self._launched or unit not in self.ctx.record.in_orders:
             # a second gradient for a unit already reduced (see Unit._pre_backward),
             # or a unit outside the backward order (reentrant recomputation): now
-            self._launch(unit)
+            self._launch([unit])
             return
         self._ready.add(unit)
         self._issue_reductions()
@@ -179,31 +231,24 @@ class BackwardSchedule:
                     break  # (a demand that cannot wait for it issues its all-gather anyway)
             self._next += 1
             if not bucketed:
-                self._launch(unit)
+                self._launch([unit])
                 continue
             self._bucket.append(unit)  # (the plan's bucket_ends: see _backward_plan.py)
             if plan.bucket_ends[i]:
-                self._launch_bucket()
+                units, self._bucket = self._bucket, []
+                self._launch(units, bucket=True)
 
-    def _launch_bucket(self) -> None:
-        units, self._bucket = self._bucket, []
-        self.drain()
-        by_key: dict[tuple, list] = {}
+    def _launch(self, units: list[Unit], bucket: bool = False) -> None:
+        """Launch the reduce-scatters of ``units``: one unit's groups each
+        alone, or (``bucket``) a reduce bucket, one collective per key."""
+        self.drain()  # also folds an earlier part of a unit's gradient first
         for u in units:
             self._launched.add(u)
             got = any(g.flat.grad is not None for g in u.trainable)
-            trace("reduce_scatter", u.fqn, "bucketed" if got else "bucketed zero-filled")
-            for g in u.trainable:
-                by_key.setdefault(g.grad.bucket_key(), []).append(g.grad)
+            trace("reduce_scatter", u.fqn, ("bucketed" if got else "bucketed zero-filled")
+                  if bucket else ("ready" if got else "zero-filled"))
         with label("reduce_scatter", units[-1].fqn):
-            self.in_flight = [launch for groups in by_key.values()
-                              for launch in launch_bucket(groups, self.ctx.streams)]
-        self._maybe_wait()
-
-    def _launch(self, unit: Unit) -> None:
-        self.drain()  # also folds an earlier part of this unit's gradient first
-        self._launched.add(unit)
-        self.in_flight = unit.launch_reduce_scatters(self.ctx.streams)
+            self.in_flight = _group_ops.reduce_scatter(units, self.ctx.streams, bucket)
         self._maybe_wait()
 
     def _maybe_wait(self) -> None:

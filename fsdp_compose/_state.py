@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _compat, _divergence
+from . import _compat, _divergence, _group_ops
 from ._backward_plan import StepRecord
 from ._backward_schedule import BackwardSchedule
 from ._common import (META_FIX, Gather, Kept, Reshard, RootSettings, ShardedState,
                       TrainingState, label, root_setting_fix, trace, unit_error)
-from ._flat_group import gather_bucket
 from ._forward_order import GRAD, NO_BACKWARD
 from ._forward_walk import ForwardTracker, LastStepOrder
 from ._registry import units_below
@@ -132,7 +131,7 @@ class RootContext:
           IN_ORDER, AGAIN: it, with the same exception;
         - USER: it.
         Gathered with the units after it as one bucket where gather buckets
-        are on (``_gather_bucket``), else alone (``Unit.unshard``)."""
+        are on (``_bucket``), else alone (a bucket of one)."""
         if why is Gather.BACKWARD or why is Gather.RECOMPUTE:
             if unit in self.record.in_orders:
                 # On gloo a unit resharded after forward prefetches once its
@@ -147,8 +146,17 @@ class RootContext:
             if unit.is_unsharded:
                 return
             trace("prefetch", unit.fqn, "forward")
-        if not self._gather_bucket(unit):
-            unit.unshard(self.streams)
+        units = self._bucket(unit)
+        if len(units) > 1:
+            for v in units:
+                trace("all_gather", v.fqn, "bucketed")
+            with label("all_gather", unit.fqn):
+                _group_ops.all_gather(units, self.streams, bucket=True)
+        elif unit.would_gather():
+            _group_ops.all_gather(units, self.streams, bucket=False)
+            trace("all_gather", unit.fqn, unit.state.name)
+        else:
+            _group_ops.all_gather(units, self.streams, bucket=False)  # (installs a copy, or nothing)
         if why is Gather.FORWARD or why is Gather.SKIPPED:
             self.prefetch_forward(unit)
 
@@ -170,27 +178,27 @@ class RootContext:
         for v in targets:
             self.gather(v, Gather.PREFETCH)
 
-    def _gather_bucket(self, unit: Unit) -> bool:
-        """All-gather ``unit`` and the units after it in the current order (the
-        last step's forward order in a training forward, the gather order in
-        backward) as one bucket, if all-gather buckets are on and at least two
-        fit. A bucket is a maximal run of consecutive units that are sharded
-        and together write at most the bucket size: a function of the order,
-        the sizes and the sharded states, which every rank shares, so every
-        rank issues the same collectives."""
+    def _bucket(self, unit: Unit) -> list[Unit]:
+        """``unit`` and the units after it in the current order (the last
+        step's forward order in a training forward, the gather order in
+        backward), where all-gather buckets are on and at least two fit; else
+        ``[unit]``. A bucket is a maximal run of consecutive units that are
+        sharded and together write at most the bucket size: a function of the
+        order, the sizes and the sharded states, which every rank shares, so
+        every rank issues the same collectives."""
         limit = self.settings.gather_bucket_bytes
         if limit <= 0 or not self.communicates:
-            return False
+            return [unit]
         if self._callback_queued:  # in backward
             plan = self.backward.plan
             pos, order = plan.gather_pos, plan.gather_order
         elif self.in_training_forward:
             pos, order = self.last_step_order.position, self.last_step_order.execution_order
         else:
-            return False  # eval: nothing would reshard what a bucket fetched ahead
+            return [unit]  # eval: nothing would reshard what a bucket fetched ahead
         i = pos.get(unit)
         if i is None:
-            return False
+            return [unit]
         units, total = [], 0
         backward = self._callback_queued
         for v in order[i:]:
@@ -200,20 +208,7 @@ class RootContext:
                 break
             units.append(v)
             total += nbytes
-        if len(units) < 2:
-            return False
-        by_key: dict[tuple, list] = {}
-        for v in units:
-            trace("all_gather", v.fqn, "bucketed")
-            for g in v.groups:
-                by_key.setdefault(g.gather_key(), []).append(g)
-        with label("all_gather", units[0].fqn):
-            for groups in by_key.values():
-                if len(groups) == 1:  # nothing to merge it with: no bucket copies
-                    groups[0].unshard(self.streams)
-                else:
-                    gather_bucket(groups, self.streams)
-        return True
+        return units if len(units) > 1 else [unit]
 
     def reshard(self, unit: Unit, event: Reshard, grad_follows: bool = False,
                 group=None) -> bool:
@@ -281,9 +276,13 @@ class RootContext:
         """``group``'s gradients are computed (gloo): [Note: gloo backward]."""
         self.backward.grads_computed(unit, group)
 
-    def reduce(self, unit: Unit) -> None:
-        """``unit``'s gradients are all accumulated in this backward."""
-        self.backward.reduce(unit)
+    def pre_backward(self, unit: Unit) -> None:
+        """A gradient reached ``unit``'s outputs (its pre-backward)."""
+        self.backward.pre_backward(unit)
+
+    def grads_ready(self, unit: Unit) -> None:
+        """Every trainable group of ``unit`` accumulated its flat gradient."""
+        self.backward.grads_ready(unit)
 
     def finish_in_flight(self) -> None:
         self.backward.finish_in_flight()

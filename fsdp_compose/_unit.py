@@ -37,9 +37,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import (Gather, Kept, ReduceSettings, Reshard, RootSettings, ShardedState,
+from ._common import (Gather, Kept, ReduceSettings, RootSettings, ShardedState,
                       TrainingState, UnitSettings, label, trace, unit_error, weak_hook)
-from ._extension import gather_together
 from ._flat_group import FlatGroup
 from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
@@ -47,6 +46,18 @@ if TYPE_CHECKING:
     from ._state import RootContext
 
 _REDUCE_FIELDS = {f.name for f in fields(ReduceSettings)}
+# the states each state is entered from (Unit._enter); the root's reset moves
+# any state to IDLE (finish_backward)
+_MOVES = {
+    TrainingState.FORWARD: (TrainingState.IDLE,),
+    TrainingState.IDLE: (TrainingState.FORWARD,),
+    TrainingState.PRE_BACKWARD: (TrainingState.IDLE, TrainingState.PRE_BACKWARD,
+                                 TrainingState.POST_BACKWARD),
+    # (IDLE, POST_BACKWARD: a no-grad island recomputed in backward has no
+    # pre-backward hook, see [Note: recomputation])
+    TrainingState.POST_BACKWARD: (TrainingState.IDLE, TrainingState.PRE_BACKWARD,
+                                  TrainingState.POST_BACKWARD),
+}
 
 
 class Unit:
@@ -83,8 +94,6 @@ class Unit:
         self.grads_hooked = False  # _grads_computed will run this backward (gloo)
         self.uses = 0             # forward calls this step that will see a backward
         self._uses_seen = 0       # ... whose output gradient arrived in this backward
-        self._grad_in_outer = False  # ... the outer backward accumulates into its flat
-                                     # gradient (asked at its pre-backward)
         self._ready: set[FlatGroup] = set()  # trainable groups whose grad arrived this backward
         self.hook_groups()
 
@@ -197,6 +206,11 @@ class Unit:
             raise unit_error(self.fqn, f"{where} expected state {[s.name for s in states]}, "
                              f"got {self.state.name}.")
 
+    def _enter(self, state: TrainingState, where: str) -> None:
+        """The state machine: every hook moves the unit along ``_MOVES`` or raises."""
+        self._assert_state(*_MOVES[state], where=where)
+        self.state = state
+
     # ----------------------------------------------------------- unshard/reshard
     def root_context(self) -> "RootContext":
         """Its root's context, made by lazy init at the first use."""
@@ -204,20 +218,11 @@ class Unit:
             self._lazy_init_root(self)
         return self.ctx
 
-    def unshard(self, streams) -> None:
-        """Issue the all-gathers of every group (no wait): the act of
-        ``RootContext.gather``, which decided it (and buckets)."""
-        issued = False
-        together = [g for g in self.groups if g.gathers_together(streams)]
-        if len(together) > 1:  # (FSDP2's all-gather extension: see _extension.py)
-            gather_together(together, streams)
-            issued = True
-        for g in self.groups:
-            issued |= g.world > 1 and (g.state is ShardedState.SHARDED
-                                       or g.state is ShardedState.PARTIAL)
-            g.unshard(streams)
-        if issued:
-            trace("all_gather", self.fqn, self.state.name)
+    def would_gather(self) -> bool:
+        """Gathering it now issues a collective: some group is sharded (or
+        PARTIAL) over more than one rank."""
+        return any(g.world > 1 and (g.state is ShardedState.SHARDED
+                                    or g.state is ShardedState.PARTIAL) for g in self.groups)
 
     def gather_bytes(self) -> int | None:
         """Bytes its all-gathers write, if every group would be gathered by a
@@ -301,7 +306,7 @@ class Unit:
                 gather = ctx.record_forward(self)  # (first: units skipped here, _forward_walk.py)
                 trace("pre_forward", self.fqn, self.state.name)
                 self.sync_requires_grad()
-                self.state = TrainingState.FORWARD
+                self._enter(TrainingState.FORWARD, "pre_forward")
                 if gather:
                     ctx.gather(self, Gather.FORWARD)
                 self._refresh_views()
@@ -384,11 +389,12 @@ class Unit:
             self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
         if self._forward_depth > 0:  # another module of this unit is still running
             return output
+        self._assert_state(TrainingState.FORWARD, where="post_forward")
         grad_follows = torch.is_grad_enabled() and bool(outs)
         island = not torch.is_grad_enabled() and self.ctx.in_training_forward
         with _compat.functorch_disabled():  # (first: units skipped here, _forward_walk.py)
             self.ctx.forward_end(self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
-        self.state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE, "post_forward")
         return output
 
     def forward_ended(self) -> None:
@@ -405,59 +411,40 @@ class Unit:
     # ----------------------------------------------------------------- backward
     @_compat.outside_functorch
     def _pre_backward(self, _grad) -> None:
+        """A gradient reached its outputs: report it (the schedule gathers and
+        decides, ``BackwardSchedule.pre_backward``)."""
         self.ctx.on_backward_hook()
         self._uses_seen += 1
+        self.ctx.pre_backward(self)
+
+    def start_backward(self) -> None:
+        """Its backward (again, after POST_BACKWARD: another use's gradient)
+        starts; the gradients arrived so far are a part."""
         if self.state is TrainingState.POST_BACKWARD:
-            # Another use after this unit's gradients were already reduced in
-            # this backward: a reentrant checkpoint inside a unit called twice
-            # (each call's gradient comes in its own nested backward). Gather
-            # again; the next post-backward reduces the rest (reduce-scatter is
-            # linear, so the two parts add up in the gradient shard).
-            trace("pre_backward_again", self.fqn, self.state.name)
             self._ready.clear()
-            self.state = TrainingState.PRE_BACKWARD
-            self.ctx.gather(self, Gather.AGAIN)
-            self.wait_for_unshard()
-            return
-        trace("pre_backward", self.fqn, self.state.name)
-        self.state = TrainingState.PRE_BACKWARD
-        if not self.ctx.in_nested_backward():  # will the outer backward accumulate into it
-            self._grad_in_outer = any(_compat.will_execute(g.split_node.next_functions[0][0])
-                                      for g in self.trainable if g.split_node is not None)
-        with label("pre_backward", self.fqn):
-            self.ctx.gather(self, Gather.BACKWARD)
-            self.wait_for_unshard()
+        self._enter(TrainingState.PRE_BACKWARD, "pre_backward")
 
     @_compat.outside_functorch
     def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
         with label("post_backward", self.fqn):
-            self._post_backward(group)
+            ctx = self.root_context()
+            ctx.on_backward_hook(grad_arrived=True)
+            self._ready.add(group)
+            if len(self._ready) == len(self.trainable):  # all in: the schedule decides
+                ctx.grads_ready(self)
 
-    def _post_backward(self, group: FlatGroup) -> None:
-        ctx = self.root_context()
-        ctx.on_backward_hook(grad_arrived=True)
-        self._ready.add(group)
-        if len(self._ready) < len(self.trainable):
-            return
-        if ctx.in_nested_backward() and (self._uses_seen < self.uses or self._grad_in_outer):
-            # A reentrant checkpoint inside this unit: each use's gradient
-            # comes in its own nested backward. Uses are still to come, or
-            # the outer backward brings a part too (parameters used outside
-            # the checkpoint), so this is a part: stay gathered, let
-            # flat.grad accumulate. (Reducing the part at once, and the rest
-            # again, would depend on each rank's graph: when a unit is
-            # skipped on another rank, the ranks issued different
-            # reduce-scatters.)
-            trace("partial_grad", self.fqn, self.state.name)
-            self._ready.clear()
-            return
-        trace("post_backward", self.fqn, self.state.name)
-        self.state = TrainingState.POST_BACKWARD
-        ctx.reshard(self, Reshard.AFTER_BACKWARD)
-        if not self.settings.requires_gradient_sync:
-            for g in self.trainable:
-                g.grad.stash_unsynced_grad()
-        ctx.reduce(self)
+    def more_uses_to_come(self) -> bool:
+        """Forward uses of this step whose output gradient has not arrived yet."""
+        return self._uses_seen < self.uses
+
+    def keep_accumulating(self) -> None:
+        """The gradients arrived are a part (a reentrant checkpoint): the next
+        post-backward waits for every group again."""
+        self._ready.clear()
+
+    def end_backward(self) -> None:
+        """All its gradients are in (the schedule reduces them now)."""
+        self._enter(TrainingState.POST_BACKWARD, "post_backward")
 
     def completes_reduction(self) -> bool:
         """Reducing now ends in p.grad: gradient sync on and, with HSDP, the
@@ -466,19 +453,12 @@ class Unit:
         return s.requires_gradient_sync and (
             s.reduce.requires_all_reduce or all(g.replicate_pg is None for g in self.trainable))
 
-    def launch_reduce_scatters(self, streams) -> list:
-        got = any(g.flat.grad is not None for g in self.trainable)
-        trace("reduce_scatter", self.fqn, "ready" if got else "zero-filled")
-        with label("reduce_scatter", self.fqn):
-            return [g.grad.launch_reduce_scatter(streams) for g in self.trainable]
-
     def finish_backward(self, resharded: bool) -> None:
         """The end of a backward (``RootContext.reset``, for every unit, after
         its BACKWARD_END reshard decision): left unsharded unless
         ``resharded``, until the next step (see Kept.BACKWARD)."""
         self.grads_hooked = False
         self._uses_seen = 0
-        self._grad_in_outer = False
         if resharded:
             self.keep(Kept.NO)
         else:

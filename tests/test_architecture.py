@@ -59,97 +59,72 @@ def test_sizes_reports_the_largest():
 
 
 # ------------------------------------------------------- direction of control
-# [Note: who decides] in fsdp_compose/_unit.py: units report, the root decides,
-# flat groups act. Checked on the source, by the names the package gives
-# units (``unit``, ``u``, ``v``, ``root``) and root contexts (``ctx``).
-UNIT_NAMES = {"unit", "u", "v", "root", "self._unit()"}
-CTX_NAMES = {"ctx", "self.ctx", "unit.ctx", "u.ctx"}
-ROOT_FILES = {"_state.py", "_forward_walk.py", "_backward_schedule.py", "_step_checks.py"}
-# the user's per-unit settings, written by FSDPModule's setters
-USER_SETTINGS = {("_fsdp_module.py", a) for a in (
-    "unshard_in_backward", "forward_prefetch", "backward_prefetch", "requires_gradient_sync",
-    "reshard_after_backward", "hook_handles")}
+# [Note: who decides] in fsdp_compose/_unit.py: units report, the schedule
+# decides and issues. Kept as import rules, read with ast.
+SCHEDULE = {"fsdp_compose._state", "fsdp_compose._backward_schedule"}
+GROUP_OPS = "fsdp_compose._group_ops"
+# the bucket operations below the group operations, and where they live
+BUCKET_OPS = {"gather_bucket": "fsdp_compose._flat_group",
+              "launch_bucket": "fsdp_compose._grad_path",
+              "gather_together": "fsdp_compose._extension"}
+UNIT_NEVER_IMPORTS = SCHEDULE | {GROUP_OPS, "fsdp_compose._extension"}
 
 
-def _functions(tree):
-    """(enclosing function name, node) for every node."""
+def _imported_names(pkg: Path) -> dict[str, set[tuple[str, str]]]:
+    """Module -> {(module imported from, name)} for every ``from x import n``
+    of the package, at any depth (TYPE_CHECKING ones too: they are not rules'
+    exceptions)."""
     import ast
-    out = []
-
-    def walk(node, fn):
-        for child in ast.iter_child_nodes(node):
-            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            out.append((name, child))
-            walk(child, name)
-    walk(tree, None)
+    out: dict[str, set] = {}
+    for name, path in import_graph.modules(pkg).items():
+        pkg_parts = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+        found = out.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg_parts[:len(pkg_parts) - node.level + 1] if node.level else []
+                src = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    found.add((src, alias.name))
     return out
 
 
 def control_violations(pkg: Path) -> list[str]:
-    """Writes of a unit's fields outside _unit.py (but the user settings), of
-    a root context's outside the root's files; a unit all-gathered other than
-    by ``RootContext.gather``; a unit's free decided outside
-    ``RootContext.reshard`` (the user's own reshard/cast aside)."""
-    import ast
+    """Only the schedule imports the group operations; only the group
+    operations import the bucket operations; a unit imports neither the
+    schedule nor any operation (it reports, and acts on its own groups)."""
+    edges = import_graph.graph(pkg)
+    names = _imported_names(pkg)
     bad = []
-    for f in sorted(pkg.glob("*.py")):
-        for fn, node in _functions(ast.parse(f.read_text())):
-            targets = (node.targets if isinstance(node, ast.Assign) else
-                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-            for t in targets:
-                for e in ast.walk(t):
-                    if not (isinstance(e, ast.Attribute) and isinstance(e.ctx, ast.Store)):
-                        continue
-                    base = ast.unparse(e.value)
-                    if base in UNIT_NAMES and f.name != "_unit.py" \
-                            and (f.name, e.attr) not in USER_SETTINGS:
-                        bad.append(f"{f.name}:{node.lineno} {fn}: writes {base}.{e.attr}")
-                    if base in CTX_NAMES and f.name not in ROOT_FILES:
-                        bad.append(f"{f.name}:{node.lineno} {fn}: writes {base}.{e.attr}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and (ast.unparse(node.func.value) in UNIT_NAMES
-                         or (f.name == "_unit.py" and ast.unparse(node.func.value) == "self")):
-                where = f"{f.name}:{node.lineno} {fn}"
-                if node.func.attr == "unshard" and (f.name, fn) != ("_state.py", "gather"):
-                    bad.append(f"{where}: calls {ast.unparse(node.func)}")
-                if node.func.attr == "reshard" and f.name in ROOT_FILES | {"_unit.py"} \
-                        and (f.name, fn) != ("_state.py", "reshard"):
-                    bad.append(f"{where}: calls {ast.unparse(node.func)}")
+    for mod in sorted(edges):
+        runtime = {m for m, k in edges[mod].items() if k != "type"}
+        if GROUP_OPS in runtime and mod not in SCHEDULE:
+            bad.append(f"{mod} imports {GROUP_OPS}")
+        for src, name in sorted(names.get(mod, ())):
+            if BUCKET_OPS.get(name) == src and mod != GROUP_OPS:
+                bad.append(f"{mod} imports {name}")
+        if mod == "fsdp_compose._unit":
+            for m in sorted(runtime & UNIT_NEVER_IMPORTS):
+                bad.append(f"{mod} imports {m}")
     return bad
 
 
-def test_units_report_the_root_decides():
+def test_units_report_the_schedule_decides():
     assert control_violations(ROOT / "fsdp_compose") == []
-
-
-def test_unit_acts_do_not_call_the_root():
-    """A unit's acts pass the root's decision to its groups: no call back."""
-    import ast
-    tree = ast.parse((ROOT / "fsdp_compose" / "_unit.py").read_text())
-    unit = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Unit")
-    acts = {"unshard", "wait_for_unshard", "reshard", "launch_reduce_scatters"}
-    for fn in unit.body:
-        if isinstance(fn, ast.FunctionDef) and fn.name in acts:
-            names = {ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
-            assert not any("ctx" in n for n in names), (fn.name, sorted(names))
 
 
 def test_control_check_can_fail(tmp_path):
     pkg = _package(tmp_path, {
-        "_state": "def root_pre_forward(self):\n    for u in self.units:\n        u.uses = 0\n",
-        "_unit": "class Unit:\n    def post_forward(self):\n        self.ctx.in_training_forward = 0\n"
-                 "    def pre_forward(self):\n        self.unshard()\n"
-                 "    def unshard(self):\n        pass\n",
-        "_forward_walk": "def prefetch(self, v):\n    v.unshard()\n",
-        "_backward_schedule": "def finish(self, unit):\n    unit.reshard()\n",
-        "_fsdp_module": "def unshard(self):\n    unit.pinned = True\n"
-                        "def set_x(self):\n    u.requires_gradient_sync = False\n",
+        "_flat_group": "def gather_bucket(groups, streams):\n    pass\n",
+        "_grad_path": "def launch_bucket(paths, streams):\n    pass\n",
+        "_extension": "def gather_together(groups, streams):\n    pass\n",
+        "_group_ops": "from ._flat_group import gather_bucket\n",
+        "_state": "from . import _group_ops\n",
+        "_backward_schedule": "from ._grad_path import launch_bucket\n",
+        "_unit": "def pre_forward(self):\n    from ._state import RootContext\n",
+        "_forward_walk": "from ._group_ops import gather_bucket\n",
     })
     assert control_violations(pkg) == [
-        "_backward_schedule.py:2 finish: calls unit.reshard",
-        "_forward_walk.py:2 prefetch: calls v.unshard",
-        "_fsdp_module.py:2 unshard: writes unit.pinned",
-        "_state.py:3 root_pre_forward: writes u.uses",
-        "_unit.py:3 post_forward: writes self.ctx.in_training_forward",
-        "_unit.py:5 pre_forward: calls self.unshard",
+        "fsdp_compose._backward_schedule imports launch_bucket",
+        "fsdp_compose._forward_walk imports fsdp_compose._group_ops",
+        "fsdp_compose._unit imports fsdp_compose._state",
     ]

@@ -244,18 +244,18 @@ def no_overlap(rank, world):
     memory schedule: same numbers, and no reduce-scatter outlives its launch
     (per unit, or a bucket's with the default buckets)."""
     results = []
-    for per_unit, launcher in ((True, "_launch"), (False, "_launch_bucket")):
+    for per_unit in (True, False):  # (one unit per launch, or a bucket's)
         in_flight = []
 
-        def after_forward(model, problems, launcher=launcher, in_flight=in_flight):
+        def after_forward(model, problems, launcher="_launch", in_flight=in_flight):
             model.set_overlap_reduce_scatter(False)
             model.set_prefetch_depth(0)
             schedule = model._unit().ctx.backward
             if launcher not in schedule.__dict__:
                 launch = getattr(schedule, launcher)
 
-                def spy(*args):
-                    launch(*args)
+                def spy(*args, **kwargs):
+                    launch(*args, **kwargs)
                     in_flight.append(len(schedule.in_flight))
                 setattr(schedule, launcher, spy)
 
