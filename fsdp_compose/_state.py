@@ -40,7 +40,7 @@ from ._forward_order import GRAD, NO_BACKWARD
 from ._forward_walk import ForwardTracker, LastStepOrder
 from ._registry import units_below
 from ._step_checks import SettingsFingerprint, left_half_done
-from ._streams import StreamManager, runtime_for
+from ._streams import make_streams, runtime_for
 from ._unit import Unit
 
 
@@ -50,7 +50,7 @@ class RootContext:
         self.root = root
         self.units = units
         self.communicates = communicates        # some group has world > 1
-        self.streams = StreamManager(device)
+        self.streams = make_streams(device)  # (the backend: side streams, or blocking waits)
         self.last_step_order = LastStepOrder()
         self.record = StepRecord()
         self.forward_order = ForwardTracker(self)

@@ -153,20 +153,18 @@ class _EventWork:
 
 
 class StreamManager:
-    """One per root; shared by every unit below it."""
+    """The side-stream protocol (CUDA): one per root, shared by every unit
+    below it. ``BlockingStreams`` is the same interface where a wait blocks
+    the CPU (gloo); ``make_streams`` chooses at lazy init."""
 
-    def __init__(self, device: torch.device, runtime=None):
+    waits_block_cpu = False  # waits only order streams: FSDP2's backward schedule
+
+    def __init__(self, device: torch.device, runtime):
         self.device = device
-        if runtime is None:
-            runtime = _runtime_for(device)  # default_runtime, or a test's (runtime_factory)
         self._rt = runtime
-        # gloo on CPU: wait() blocks this thread; side streams only order streams
-        self.waits_block_cpu = runtime is None
-        if runtime is not None:
-            self.all_gather_stream = runtime.new_stream()
-            self.reduce_scatter_stream = runtime.new_stream()
+        self.all_gather_stream = runtime.new_stream()
+        self.reduce_scatter_stream = runtime.new_stream()
         self._all_reduce_stream = None  # made when an HSDP unit first reduces
-        self._buckets: dict = {}        # gloo: (kind, dtype, device) -> [buffer, holder or None]
         self._held: list = []           # kept alive by the post-reduce running now
         self._host_copies = False       # a copy to or from host memory since the last sync
         self._on_host: list = []        # work that reads such copies: after the sync
@@ -175,7 +173,7 @@ class StreamManager:
 
     @property
     def runtime(self):
-        """The stream runtime (None: gloo on CPU, waits block the CPU)."""
+        """The stream runtime."""
         return self._rt
 
     def _on(self, stream, issue, then=None, post=None, after=None):
@@ -218,9 +216,6 @@ class StreamManager:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
                    what: tuple | None = None, bounds: tuple | None = None) -> Pending:
         """``bounds``: uneven pieces (see ``_collectives.all_gather``)."""
-        if self._rt is None:
-            return Pending(_collectives.all_gather(output, shard, group, bounds=bounds),
-                           (output, shard), what)
         work = self._on(self.all_gather_stream,
                         lambda: _collectives.all_gather(output, shard, group, async_op=False,
                                                         bounds=bounds))
@@ -232,12 +227,8 @@ class StreamManager:
         """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
         run at once on a side stream (the all-reduce stream if ``all_reduce``);
         the Pending's ``wait()`` orders the caller after the reduce-scatter,
-        ``finish_backward`` after the post-reduce. On gloo ``then`` is ignored
-        (the caller runs it after ``wait()``). ``bounds``: uneven pieces (see
-        ``_collectives.reduce_scatter``)."""
-        if self._rt is None:
-            return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds),
-                           (flat_grad,), what)
+        ``finish_backward`` after the post-reduce. ``bounds``: uneven pieces
+        (see ``_collectives.reduce_scatter``)."""
         # the output is allocated here, on the compute stream (see the Note)
         if bounds is None:
             out = flat_grad.new_empty(flat_grad.numel() // dist.get_world_size(group))
@@ -272,8 +263,6 @@ class StreamManager:
         so on the reduce-scatter stream, issued ``async_op=False`` there (as
         the reduce-scatters: ``async_op=True`` would run it on c10d's internal
         stream, which the next reduce-scatter would then wait for)."""
-        if self._rt is None:
-            return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
         work = self._on(self.reduce_scatter_stream,
                         lambda: _collectives.all_reduce_async(tensor, op, group, async_op=False))
         return Pending(work, (tensor,), what)
@@ -288,8 +277,6 @@ class StreamManager:
         side stream waits for compute before touching it (as every side-stream
         context does: [Note: side streams]), and the result comes back in ONE
         host synchronisation, intended (a forward pre-hook needs the answer)."""
-        if self._rt is None:
-            return _collectives.min_across(values, shard_groups + replicate_groups)
         rt = self._rt
         t = rt.to_device(torch.tensor(values, dtype=torch.int64), self.device)
         for groups, stream in ((shard_groups, self.all_gather_stream),
@@ -306,8 +293,6 @@ class StreamManager:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor (flags) on the manager's device, on the current
         stream; on CUDA from pinned memory, without a host sync."""
-        if self._rt is None:
-            return t.to(self.device)
         return self._rt.to_device(t, self.device)
 
     def _all_reduce_side_stream(self):
@@ -316,42 +301,17 @@ class StreamManager:
         return self._all_reduce_stream
 
     # -------------------------------------------------------- bucket buffers
-    def bucket(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device,
+    @staticmethod
+    def bucket(kind: str, numel: int, dtype: torch.dtype, device: torch.device,
                holder=None) -> torch.Tensor:
-        """A buffer of ``numel`` elements of ``dtype`` on ``device`` for an
-        all-gather or reduce-scatter bucket (``kind``), given back with
-        ``release`` once no collective or copy reads or writes it.
-        ``holder``: an object whose ``flush()`` releases it early (see below).
+        """A buffer for an all-gather or reduce-scatter bucket (``kind``),
+        given back with ``release``: fresh (the caching allocator reuses
+        blocks itself; gloo keeps one, see [Note: bucket buffers])."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
-        [Note: bucket buffers] On gloo each kind, dtype and device has one
-        buffer per root, made at the first bucket (regrown to the largest seen)
-        and kept: a bucket costs its size once instead of leaving heap holes
-        several times a step (docs/design.md, "Peak RSS of small units"). A
-        buffer still in use when the next bucket of its kind comes is flushed
-        by its holder (an all-gather bucket copies its remaining chunks out,
-        _flat_group._GatherBucketWork) or, without one (a reduce-scatter in
-        flight; a backward that raised with one in flight: gloo may still
-        write it), not handed out again: that bucket gets a fresh tensor. On
-        CUDA the caching allocator reuses blocks itself: always fresh.
-        """
-        if self._rt is not None:
-            return torch.empty(numel, dtype=dtype, device=device)
-        key = (kind, dtype, device)
-        kept = self._buckets.get(key)
-        if kept is not None and kept[1] is not None and hasattr(kept[1], "flush"):
-            kept[1].flush()  # (releases it)
-        if kept is not None and kept[1] is not None:
-            return torch.empty(numel, dtype=dtype, device=device)
-        if kept is None or kept[0].numel() < numel:
-            kept = self._buckets[key] = [torch.empty(numel, dtype=dtype, device=device), None]
-        kept[1] = holder if holder is not None else True
-        return kept[0][:numel]
-
-    def release(self, buf: torch.Tensor) -> None:
+    @staticmethod
+    def release(buf: torch.Tensor) -> None:
         """``buf`` (from ``bucket``) is no longer read or written."""
-        for kept in self._buckets.values():
-            if kept[1] is not None and buf.data_ptr() == kept[0].data_ptr():
-                kept[1] = None
 
     @staticmethod
     def ready(result: torch.Tensor) -> Pending:
@@ -362,15 +322,14 @@ class StreamManager:
     def hold(self, t: torch.Tensor) -> None:
         """Keep ``t`` (made on the compute stream, last read by the post-reduce
         running now) alive until the compute stream has waited for it."""
-        if self._rt is not None:
-            self._held.append(t)
+        self._held.append(t)
 
     # --------------------------------------------------------- host copies
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, from_host: bool) -> None:
         """Copy a shard into the unsharded flat (cast and/or host-to-device),
         on the current (compute) stream. From host memory on CUDA: non-blocking,
         and the end of backward synchronises before the shard can be rewritten."""
-        if self._rt is not None and from_host:
+        if from_host:
             self._rt.host_to_device(dst, src)
             self._host_copies = True
         else:
@@ -379,9 +338,7 @@ class StreamManager:
     def to_host(self, t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """``t`` in ``dtype`` in host memory. CUDA: a non-blocking copy on the
         current stream into a fresh (pinned) buffer; read it only in work
-        passed to ``on_host``. gloo: a plain (blocking) ``.to``."""
-        if self._rt is None:
-            return t.to(torch.device("cpu"), dtype)
+        passed to ``on_host``."""
         src = t if t.dtype == dtype else t.to(dtype)
         dst = self._rt.host_empty(src.numel(), dtype, pin)
         self._rt.device_to_host(dst, src)
@@ -389,21 +346,15 @@ class StreamManager:
         return dst
 
     def on_host(self, fn) -> None:
-        """Run ``fn`` once the host copies issued so far have landed: now on
-        gloo, after the end-of-backward synchronisation on CUDA."""
-        if self._rt is None:
-            fn()
-        else:
-            self._on_host.append(fn)
+        """Run ``fn`` once the host copies issued so far have landed: after
+        the end-of-backward synchronisation."""
+        self._on_host.append(fn)
 
     def after_backward(self, t: torch.Tensor, fn) -> None:
         """``fn(t.tolist())`` at the end of backward, where ONE host
         synchronisation reads every such tensor (the used-flags' counts on
-        CUDA: no host sync per reduce-scatter). gloo: now."""
-        if self._rt is None:
-            fn(t.tolist())
-        else:
-            self._reads.append((t, fn))
+        CUDA: no host sync per reduce-scatter)."""
+        self._reads.append((t, fn))
 
     @property
     def host_work_pending(self) -> bool:
@@ -416,8 +367,6 @@ class StreamManager:
         next unit only needed the reduce-scatter), then ONE CPU
         synchronisation covers every host copy of the step and every value
         read back (see [Note: post-reduce])."""
-        if self._rt is None:
-            return
         compute = self._rt.current_stream()
         for event, _ in self._post_reduces:
             compute.wait_event(event)
@@ -447,7 +396,7 @@ class StreamManager:
         copies of offloaded shards are synchronised now, once, so the CPU may
         rewrite the shards (an optimizer, a checkpoint load) without racing
         them; a training forward leaves it to the end of backward."""
-        if self._rt is None or not self._host_copies or self._on_host or self._reads:
+        if not self._host_copies or self._on_host or self._reads:
             return
         with self._rt.intended_sync("an eval forward's host-to-device copies"):
             self._rt.current_stream().record_event().synchronize()
@@ -459,11 +408,10 @@ class StreamManager:
         CUDA each collective is followed on its stream by its post-reduce, so
         this orders the compute stream after the collective too, and its
         buffers may go back to the allocator); the work that would have read
-        host copies is dropped. gloo's works hold their tensors themselves."""
-        if self._rt is not None:
-            compute = self._rt.current_stream()
-            for event, _ in self._post_reduces:
-                compute.wait_event(event)
+        host copies is dropped."""
+        compute = self._rt.current_stream()
+        for event, _ in self._post_reduces:
+            compute.wait_event(event)
         # No synchronisation: the copies of the dropped step are covered by the
         # next one (end of backward, eval forward), as they are on the compute
         # stream or ordered before it; the pinned buffers they write are the
@@ -472,9 +420,113 @@ class StreamManager:
         self._reads = []
         self._host_copies = False
         self._on_host = []
-        # a bucket buffer a dropped collective may still write: not reused
+
+    def __repr__(self) -> str:
+        return f"StreamManager(device={self.device}, mode=side-streams)"
+
+
+class BlockingStreams:
+    """``StreamManager``'s interface where a wait blocks the CPU (gloo on
+    CPU, no stream runtime): collectives are issued ``async_op=True`` on the
+    default stream, host copies are plain copies, and the backward frees a
+    unit's parameters once its gradients are computed ([Note: gloo backward]
+    in _backward_schedule.py, read from ``waits_block_cpu``). Bucket buffers
+    are kept (see ``bucket``)."""
+
+    waits_block_cpu = True
+    runtime = None
+    host_work_pending = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buckets: dict = {}  # (kind, dtype, device) -> [buffer, holder or None]
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
+                   what: tuple | None = None, bounds: tuple | None = None) -> Pending:
+        return Pending(_collectives.all_gather(output, shard, group, bounds=bounds),
+                       (output, shard), what)
+
+    def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
+                       then=None, all_reduce: bool = False, what: tuple | None = None,
+                       bounds: tuple | None = None) -> Pending:
+        """``then`` is not run here: the caller runs it after ``wait()``."""
+        return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds),
+                       (flat_grad,), what)
+
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
+                   what: tuple | None = None) -> Pending:
+        return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
+
+    def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
+        return _collectives.min_across(values, shard_groups + replicate_groups)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def bucket(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device,
+               holder=None) -> torch.Tensor:
+        """[Note: bucket buffers] Each kind, dtype and device has one buffer
+        per root, made at the first bucket (regrown to the largest seen) and
+        kept: a bucket costs its size once instead of leaving heap holes
+        several times a step (docs/design.md, "Peak RSS of small units"). A
+        buffer still in use when the next bucket of its kind comes is flushed
+        by its ``holder`` (an all-gather bucket copies its remaining chunks
+        out, _flat_group._GatherBucketWork) or, without one (a reduce-scatter
+        in flight; a backward that raised with one in flight: gloo may still
+        write it), not handed out again: that bucket gets a fresh tensor."""
+        key = (kind, dtype, device)
+        kept = self._buckets.get(key)
+        if kept is not None and kept[1] is not None and hasattr(kept[1], "flush"):
+            kept[1].flush()  # (releases it)
+        if kept is not None and kept[1] is not None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        if kept is None or kept[0].numel() < numel:
+            kept = self._buckets[key] = [torch.empty(numel, dtype=dtype, device=device), None]
+        kept[1] = holder if holder is not None else True
+        return kept[0][:numel]
+
+    def release(self, buf: torch.Tensor) -> None:
+        for kept in self._buckets.values():
+            if kept[1] is not None and buf.data_ptr() == kept[0].data_ptr():
+                kept[1] = None
+
+    ready = staticmethod(StreamManager.ready)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Nothing to keep: gloo's works hold their tensors themselves."""
+
+    @staticmethod
+    def copy_in(dst: torch.Tensor, src: torch.Tensor, from_host: bool) -> None:
+        dst.copy_(src, non_blocking=src.is_pinned())
+
+    @staticmethod
+    def to_host(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return t.to(torch.device("cpu"), dtype)
+
+    @staticmethod
+    def on_host(fn) -> None:
+        fn()  # (a plain copy has landed)
+
+    @staticmethod
+    def after_backward(t: torch.Tensor, fn) -> None:
+        fn(t.tolist())  # (no host sync to save)
+
+    def finish_backward(self) -> None:
+        pass
+
+    def end_eval_forward(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        """A bucket buffer a dropped collective may still write is not reused."""
         self._buckets = {k: v for k, v in self._buckets.items() if v[1] is None}
 
     def __repr__(self) -> str:
-        mode = "async-collectives" if self._rt is None else "side-streams"
-        return f"StreamManager(device={self.device}, mode={mode})"
+        return f"BlockingStreams(device={self.device})"
+
+
+def make_streams(device: torch.device) -> "StreamManager | BlockingStreams":
+    """A root's stream manager (lazy init): the side-stream protocol where
+    ``device`` has a stream runtime (``runtime_for``), else the blocking one."""
+    runtime = runtime_for(device)
+    return StreamManager(device, runtime) if runtime is not None else BlockingStreams(device)

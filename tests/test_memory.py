@@ -54,7 +54,7 @@ def _alloc_order(rank, world):
 
     def logged_drain(schedule):
         if schedule.in_flight:
-            log.append(("drain", schedule.in_flight[0].group.unit_fqn))
+            log.append(("drain", schedule.in_flight[0].path.group.unit_fqn))
         drain(schedule)
 
     x = torch.randn(4, 16)

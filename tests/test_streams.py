@@ -131,7 +131,7 @@ def _check_protocol(log: list) -> list[str]:
 @pytest.mark.parametrize("per_unit", [False, True], ids=["bucketed", "per_unit"])
 def test_side_stream_protocol(world, per_unit):
     for default, streams in run_distributed(_both, world, per_unit):
-        assert default["manager"].endswith("mode=async-collectives)")
+        assert default["manager"].startswith("BlockingStreams(")
         assert streams["manager"].endswith("mode=side-streams)")
         assert default["ref_close"] and streams["ref_close"]
         assert all(torch.equal(a, b) for a, b in zip(default["params"], streams["params"]))
