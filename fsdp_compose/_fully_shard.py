@@ -22,6 +22,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInf
 from . import _extension
 from ._flat_group import FlatGroup, PostForward
 from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
+from ._job import job
 from ._layout import GRANULARITIES
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
 from ._state import assign_fqns, lazy_init_root
@@ -112,9 +113,6 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
     return [found[i] for i in order]
 
 
-_RS_GROUPS: dict = {}
-
-
 def _reduce_scatter_group(pg):
     """A second process group over the same ranks, for reduce-scatters.
 
@@ -136,13 +134,11 @@ def _reduce_scatter_group(pg):
         return pg
     key = dist.get_process_group_ranks(pg)
     key = (tuple(key), dist.get_backend(pg))
-    if key not in _RS_GROUPS:
+    groups = job().rs_groups
+    if key not in groups:
         world = key[0] == tuple(range(dist.get_world_size()))
-        _RS_GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=not world)
-    return _RS_GROUPS[key]
-
-
-_LOADS: dict = {}
+        groups[key] = dist.new_group(list(key[0]), use_local_synchronization=not world)
+    return groups[key]
 
 
 def _rank_loads(pg) -> list[int] | None:
@@ -155,7 +151,7 @@ def _rank_loads(pg) -> list[int] | None:
     if dist.get_world_size(pg) == 1:
         return None
     key = (tuple(dist.get_process_group_ranks(pg)), dist.get_backend(pg))
-    return _LOADS.setdefault(key, [0] * dist.get_world_size(pg))
+    return job().loads.setdefault(key, [0] * dist.get_world_size(pg))
 
 
 def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
@@ -237,9 +233,6 @@ def _check_reshard_after_forward(label: str, raf, shard_world: int):
     return True, raf
 
 
-_PF_GROUPS: dict = {}
-
-
 def _post_forward_group(pg, size: int) -> PostForward:
     """This rank's group of ``size`` consecutive ranks of ``pg`` (reshard_after_forward=int).
 
@@ -249,9 +242,10 @@ def _post_forward_group(pg, size: int) -> PostForward:
     me = ranks.index(dist.get_rank())
     block = tuple(ranks[me // size * size:(me // size + 1) * size])
     key = (block, dist.get_backend(pg))
-    if key not in _PF_GROUPS:
-        _PF_GROUPS[key] = dist.new_group(list(block), use_local_synchronization=True)
-    group = _PF_GROUPS[key]
+    groups = job().pf_groups
+    if key not in groups:
+        groups[key] = dist.new_group(list(block), use_local_synchronization=True)
+    group = groups[key]
     return PostForward(group, size, dist.get_rank(group))
 
 
