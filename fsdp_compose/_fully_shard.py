@@ -114,21 +114,19 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
 
 
 def _reduce_scatter_group(pg):
-    """A second process group over the same ranks, for reduce-scatters.
+    """A second process group over the ranks of ``pg`` (``pg`` itself at
+    world size 1), for fully_shard's reduce-scatters and their used-flags
+    only: all-gathers and reduce-scatters each follow their own
+    rank-independent order, so they must not share a group ([Note:
+    collective order] in _backward_schedule.py), and the point-to-point
+    exchanges of [Note: gloo collectives] (_collectives.py) must meet no one
+    else's messages there.
 
-    See [Note: collective order] in _backward_schedule.py: all-gathers and reduce-scatters
-    each follow their own rank-independent order, so they must not share a
-    group. Created at fully_shard time (every member calls fully_shard in the
-    same order); only the members take part. Nothing but fully_shard's
-    reduce-scatters (and their used-flags) runs on it: on gloo, small ones
-    are point-to-point exchanges (see [Note: gloo collectives]).
-
-    Over every rank of the default group (the usual 1-D mesh) it is made
-    without ``use_local_synchronization``: every rank is a member, so every
-    rank calls ``new_group`` here, and torch then names the group by a
-    counter instead of a SHA-1 of its ranks, which initialises OpenSSL in
-    every rank (about 1-1.5 MiB of RSS, measured; docs/design.md, "Peak RSS
-    of small units").
+    Made once per (ranks, backend) in a job (_job.py), at fully_shard time:
+    every member calls fully_shard in the same order. Only the members take
+    part, except over every rank of the default group, where every rank
+    calls ``new_group`` (so torch names it by a counter, not a SHA-1 of its
+    ranks: docs/design.md, "Peak RSS of small units").
     """
     if dist.get_world_size(pg) == 1:
         return pg
@@ -143,11 +141,11 @@ def _reduce_scatter_group(pg):
 
 def _rank_loads(pg) -> list[int] | None:
     """The bytes of shards each rank of ``pg`` holds from the groups built over
-    the same ranks so far in this process, updated by each new group: uneven
-    row layouts place their boundaries to even out these sums (see [Note:
-    shard layout] in _layout.py). Every member builds the same groups in the
-    same order (the collectives require it), so every member sees the same
-    loads. None at world size 1."""
+    the same ranks so far in this job (_job.py), updated by each new group:
+    uneven row layouts place their boundaries to even out these sums (see
+    [Note: shard layout] in _layout.py). Every member builds the same groups
+    in the same order (the collectives require it), so every member sees the
+    same loads. None at world size 1."""
     if dist.get_world_size(pg) == 1:
         return None
     key = (tuple(dist.get_process_group_ranks(pg)), dist.get_backend(pg))
