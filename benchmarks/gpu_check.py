@@ -432,21 +432,15 @@ HOOK_LABELS = {"fsdp_compose": ("fsdp_compose::",), "fsdp2": ("FSDP::",)}
 
 @contextlib.contextmanager
 def _fake_world(world: int):
-    """torch's fake process group as rank 0 of ``world`` for the block; the
-    groups fully_shard cached for it dropped afterwards (as tools.plan does)."""
+    """torch's fake process group as rank 0 of ``world`` for the block: a job
+    of its own (the groups fully_shard makes for it are its, fsdp_compose/_job.py)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_compose import _fully_shard
-    caches = (_fully_shard._RS_GROUPS, _fully_shard._PF_GROUPS)
-    before = [dict(c) for c in caches]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield
     finally:
-        for cache, old in zip(caches, before):
-            for k in set(cache) - set(old):
-                del cache[k]
         dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _layout
 from ._common import TrainingState, rank as _rank
+from ._job import job
 from ._optim_kinds import steps_empty_pieces
 from ._registry import SHARDED, state_dict_slots, units_below
 
@@ -128,9 +130,6 @@ def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return lo, min(lo + c, rows)
 
 
-_SHAPES_ONLY = False  # set by shapes_only()
-
-
 @contextlib.contextmanager
 def shapes_only():
     """Inside: ``to_dtensor`` gives meta DTensors (the global shape, dtype,
@@ -138,12 +137,12 @@ def shapes_only():
     taken there describes what a load reads without a copy of the state
     (``load_checkpoint``'s verification). The optimizer hook's one object
     all-gather still runs (it decides which keys exist)."""
-    global _SHAPES_ONLY
-    old, _SHAPES_ONLY = _SHAPES_ONLY, True
+    j = job()
+    old, j.shapes_only = j.shapes_only, True
     try:
         yield
     finally:
-        _SHAPES_ONLY = old
+        j.shapes_only = old
 
 
 def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
@@ -151,7 +150,7 @@ def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
     it, ``piece`` shaped like ``e.sharded``): see [Note: state dicts in FSDP2's
     form]. A collective over the shard group (none on meta, nor inside
     ``shapes_only()``, which gives meta DTensors)."""
-    meta = piece.is_meta or _SHAPES_ONLY
+    meta = piece.is_meta or job().shapes_only
     if e.tp is not None:
         local = (torch.empty(e.shape, dtype=piece.dtype, device="meta") if meta
                  else gather_entry(g, e, piece).clone())
@@ -257,7 +256,7 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
 
 
 # ------------------------------------------------------------ module hooks
-_FULL: dict | None = None  # id(entry) -> full tensor, while get_state_dict(full) runs
+_FULL_ATTR = "_fsdp_full"  # on get_state_dict(full)'s destination: id(entry) -> full tensor
 
 
 def register_hooks(unit) -> None:
@@ -279,9 +278,10 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
         key = prefix + name
         if key not in sd:
             continue
-        if _FULL is not None:
-            if id(e) in _FULL:
-                sd[key] = _FULL[id(e)]
+        full = getattr(sd, _FULL_ATTR, None)
+        if full is not None:
+            if id(e) in full:
+                sd[key] = full[id(e)]
         else:
             sd[key] = to_dtensor(g, e, e.sharded.detach())
 
@@ -569,7 +569,8 @@ def _keyed_params(optim, osd: dict) -> list:
     return list(zip(keys, params))
 
 
-_ATTACHED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # hooks attached
+# optimizers given the hooks: a mark on each optimizer (weak), process-wide as the object is
+_ATTACHED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def attach_optimizer(optim) -> None:
@@ -713,7 +714,6 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
     with no state yet gets it (a zero-gradient step with lr 0), so that a
     checkpoint can be loaded into it.
     """
-    global _FULL
     optims = _as_list(optimizers)
     for o in optims:
         _ensure_optim_state(o)
@@ -730,11 +730,13 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
     optim_values = [_full_optim_values(model, o, keep, cpu_offload) for o in optims]
     if not keep:
         return {}, {}
-    _FULL = values
+    dest = OrderedDict()  # as state_dict() makes it, carrying the full tensors to the hook
+    dest._metadata = OrderedDict()
+    setattr(dest, _FULL_ATTR, values)
     try:
-        msd = model.state_dict()
+        msd = model.state_dict(destination=dest)
     finally:
-        _FULL = None
+        delattr(dest, _FULL_ATTR)
     if cpu_offload:
         msd = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in msd.items()}
     osd = _merge([_optim_state_dict(model, o, fqns, ov) for o, ov in zip(optims, optim_values)])

@@ -33,9 +33,17 @@ import torch.distributed as dist
 
 from . import _divergence
 from ._common import group_backends
+from ._job import job
 from .api import CommStats
 
-_stats = CommStats()
+
+def _stats() -> CommStats:
+    """This job's counters (_job.py)."""
+    j = job()
+    if j.comm is None:
+        j.comm = CommStats()
+    return j.comm
+
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn).
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,17 +51,14 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def comm_stats() -> CommStats:
-    """A snapshot of the collectives this process issued."""
-    return dataclasses.replace(_stats)
+    """A snapshot of the collectives this process issued in this job."""
+    return dataclasses.replace(_stats())
 
 
 def reset_comm_stats() -> None:
-    global _stats, _before_reset
-    _before_reset += _calls(_stats)
-    _stats = CommStats()
-
-
-_before_reset = 0  # collectives counted before the last reset_comm_stats()
+    j = job()
+    j.comm_before_reset += _calls(_stats())
+    j.comm = CommStats()
 
 
 def _calls(s: CommStats) -> int:
@@ -61,9 +66,9 @@ def _calls(s: CommStats) -> int:
 
 
 def issued() -> int:
-    """Collectives this process issued so far (reset_comm_stats() aside): where
-    a rank is in the sequence every rank issues alike."""
-    return _before_reset + _calls(_stats)
+    """Collectives this process issued so far in this job (reset_comm_stats()
+    aside): where a rank is in the sequence every rank issues alike."""
+    return job().comm_before_reset + _calls(_stats())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -72,18 +77,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 P2P_MAX_BYTES = 1 << 20  # 2-rank gloo reduce-scatters up to this input: an exchange (the Note)
 
-_GLOO: dict = {}  # process group -> (rank, size) in it if it is gloo, else None
-
 
 def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
     """(rank, size) when ``t`` takes the in-place gloo path (see the Note), else None."""
     if t.device.type != "cpu":
         return None
     key = group if group is not None else dist.group.WORLD
-    if key not in _GLOO:
+    cache = job().gloo  # (process group -> (rank, size) in it if it is gloo, else None)
+    if key not in cache:
         gloo = dist.get_backend(group) == "gloo"
-        _GLOO[key] = (dist.get_rank(group), dist.get_world_size(group)) if gloo else None
-    return _GLOO[key]
+        cache[key] = (dist.get_rank(group), dist.get_world_size(group)) if gloo else None
+    return cache[key]
 
 
 class _Works:
@@ -154,8 +158,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     shard goes to ``output[bounds[r]:bounds[r+1]]``; on NCCL, torch's
     ``all_gather`` with those views as its list (issued as one coalesced
     group of broadcasts, no copy), on gloo the broadcasts below."""
-    _stats.all_gather_calls += 1
-    _stats.all_gather_bytes += _nbytes(output)
+    _stats().all_gather_calls += 1
+    _stats().all_gather_bytes += _nbytes(output)
     at = _divergence.next_op(group)
     gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
@@ -184,8 +188,8 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     this rank's is ``flat_grad[bounds[r]:bounds[r+1]]`` (on NCCL, torch's
     ``reduce_scatter`` with those views as its list: one coalesced group of
     reduces; on gloo the all-reduce below)."""
-    _stats.reduce_scatter_calls += 1
-    _stats.reduce_scatter_bytes += _nbytes(flat_grad)
+    _stats().reduce_scatter_calls += 1
+    _stats().reduce_scatter_bytes += _nbytes(flat_grad)
     at = _divergence.next_op(group)
     gloo = (_in_place_gloo(flat_grad, group) if bounds is None
             else _uneven_in_place(group, flat_grad))
@@ -249,8 +253,8 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
     A tensor on a device the group has no backend for (a CPU partial norm of
     offloaded gradients over an NCCL group: "No backend type associated with
     device type cpu") goes through the group's device and back."""
-    _stats.all_reduce_calls += 1
-    _stats.all_reduce_bytes += _nbytes(tensor)
+    _stats().all_reduce_calls += 1
+    _stats().all_reduce_bytes += _nbytes(tensor)
     at = _divergence.next_op(group)
     device = _group_device(group, tensor.device)
     if blocks_cpu is None:
@@ -279,8 +283,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
     ``async_op=False``. The state-dict conversions ([Note: state dicts in
     FSDP2's form] in _checkpoint.py). Tensors on a device the group has no
     backend for go through the group's device and back."""
-    _stats.all_to_all_calls += 1
-    _stats.all_to_all_bytes += _nbytes(input)
+    _stats().all_to_all_calls += 1
+    _stats().all_to_all_bytes += _nbytes(input)
     at = _divergence.next_op(group)
     device = _group_device(group, input.device)
     src = input if input.device == device else input.to(device)
@@ -327,8 +331,8 @@ def min_in_place(t: torch.Tensor, groups: list) -> _Works:
 
 
 def _count_all_reduce(t: torch.Tensor) -> None:
-    _stats.all_reduce_calls += 1
-    _stats.all_reduce_bytes += _nbytes(t)
+    _stats().all_reduce_calls += 1
+    _stats().all_reduce_bytes += _nbytes(t)
 
 
 def _group_device(group, device: torch.device) -> torch.device:
@@ -346,8 +350,8 @@ def all_reduce_async(tensor: torch.Tensor, op, group, async_op: bool = True):
     """In-place all-reduce, not waited (small tensors: the used-flags).
     ``async_op=False``: on CUDA, issued on the current (side) stream, see
     [Note: side streams] in _streams.py."""
-    _stats.all_reduce_calls += 1
-    _stats.all_reduce_bytes += _nbytes(tensor)
+    _stats().all_reduce_calls += 1
+    _stats().all_reduce_bytes += _nbytes(tensor)
     at = _divergence.next_op(group)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if not async_op:

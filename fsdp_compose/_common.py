@@ -195,7 +195,9 @@ def label(phase: str, fqn: str):
 
 # ---------------------------------------------------------------------------
 # Schedule trace: the seams append (event, unit fqn, detail) while a recorder
-# is active. One `is None` check per event when it is not.
+# is active. One `is None` check per event when it is not. Process-wide, as
+# a profiler is: a test and tools seam set for a ``with`` block (nothing
+# outlives it), so no job lookup per event.
 # ---------------------------------------------------------------------------
 _trace: list | None = None
 

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from . import _compat
 from ._common import label, rank, unit_error
+from ._job import job
 
 
 class DivergenceError(RuntimeError):
@@ -89,12 +90,8 @@ _MASK = (1 << 62) - 1  # hashes fit an int64 and its negation
 # ---------------------------------------------------------------------------
 # Optimizer steps over sharded parameters (written by _torch_hooks' step pre-hook)
 # ---------------------------------------------------------------------------
-optimizer_steps = 0  # a counter only: each root counts the steps taken in its lifetime
-
-
 def count_optimizer_step() -> None:
-    global optimizer_steps
-    optimizer_steps += 1
+    job().optimizer_steps += 1  # a counter only: each root counts the steps of its lifetime
 
 
 # ---------------------------------------------------------------------------
@@ -113,41 +110,41 @@ def count_optimizer_step() -> None:
 # a collective in flight there, so every root on that group (the model that
 # raised, one alive beside it, one made later) raises instead of pairing its
 # collectives with it. A model on other process groups is not affected.
+# A root's record is ``StepChecks.stopped``; the process groups' are the
+# job's (``job().stopped_pgs``, "*": unknown), as is the root whose phase
+# began last (``job().active``).
 # ---------------------------------------------------------------------------
-_stopped: dict = {}      # root prefix -> this process's record, while the root lives
-_stopped_pgs: dict = {}  # process group key ("*": unknown) -> this process's first record
-_active: "weakref.ref | None" = None  # the StepChecks whose phase began last
 
 
 # ---------------------------------------------------------------------------
 # Where each rank is in each process group's sequence of collectives (the
 # ones _collectives issues): a rank that waits in a step check posts these,
 # and a rank blocked in a collective its peer has not issued learns that the
-# peer never will (see StepChecks.before)
+# peer never will (see StepChecks.before). The job's: ``job().positions``
+# (group name -> collectives issued on it), ``job().names`` (group -> its
+# name, alike on its members), ``job().unsettled`` (whose step check is
+# issued, not yet compared).
 # ---------------------------------------------------------------------------
-_positions: dict = {}  # process group name -> collectives _collectives issued on it
-_unsettled: "weakref.ref | None" = None  # whose step check is issued, not yet compared
-
-
 def settle() -> None:
     """Wait for and compare a step check still in flight (see StepChecks.settle)."""
-    checks = _unsettled() if _unsettled is not None else None
+    unsettled = job().unsettled
+    checks = unsettled() if unsettled is not None else None
     if checks is not None:
         checks.settle()
-_NAMES: dict = {}      # process group -> its name (alike on its members)
 
 
 def next_op(group) -> tuple:
     """A collective is issued on ``group``: (its group's name, its position
     there). First, a step check still in flight is waited for and compared
     (``StepChecks.settle``): no collective of a phase before its check."""
-    if _unsettled is not None:
+    j = job()
+    if j.unsettled is not None:
         settle()
-    name = _NAMES.get(group)
+    name = j.names.get(group)
     if name is None:
-        name = _NAMES[group] = (group if group is not None else dist.group.WORLD).group_name
-    at = _positions.get(name, 0) + 1
-    _positions[name] = at
+        name = j.names[group] = (group if group is not None else dist.group.WORLD).group_name
+    at = j.positions.get(name, 0) + 1
+    j.positions[name] = at
     return name, at
 
 
@@ -170,18 +167,20 @@ def _pg_stop_key(pg_key: str) -> str:
 def stop(record: str, checks: "StepChecks | None" = None) -> None:
     """This rank stops communicating on ``checks``' groups (default: the root
     whose phase runs): say why, to the other ranks and to later calls."""
+    j = job()
     if checks is None:
-        checks = _active() if _active is not None else None
+        checks = j.active() if j.active is not None else None
     keys = []
     if checks is not None:
         if checks.prefix is not None:
-            _stopped.setdefault(checks.prefix, record)
+            if checks.stopped is None:
+                checks.stopped = record
             keys += [checks.key("stopped"), checks.key(f"stopped/{dist.get_rank()}")]
         for k in checks.pg_keys:
-            _stopped_pgs.setdefault(k, record)
+            j.stopped_pgs.setdefault(k, record)
             keys.append(_pg_stop_key(k))
     else:
-        _stopped_pgs.setdefault("*", record)
+        j.stopped_pgs.setdefault("*", record)
         keys.append(_pg_stop_key("*"))
     store = _store()
     if store is not None:
@@ -195,16 +194,16 @@ def stop(record: str, checks: "StepChecks | None" = None) -> None:
 def stopped_here(checks: "StepChecks | None") -> str | None:
     """This process's record, if it stopped (raised a DivergenceError) on
     ``checks``' root or on one of its process groups."""
-    if not (_stopped or _stopped_pgs):
+    if checks is not None and checks.stopped is not None:
+        return checks.stopped
+    stopped_pgs = job().stopped_pgs
+    if not stopped_pgs:
         return None
     if checks is not None:
-        record = _stopped.get(checks.prefix)
-        if record is not None:
-            return record
         for k in checks.pg_keys:
-            if k in _stopped_pgs:
-                return _stopped_pgs[k]
-    return _stopped_pgs.get("*")
+            if k in stopped_pgs:
+                return stopped_pgs[k]
+    return stopped_pgs.get("*")
 
 
 def peer_record(at: tuple | None = None) -> str | None:
@@ -217,7 +216,7 @@ def peer_record(at: tuple | None = None) -> str | None:
     if store is None:
         return None
     try:
-        roots = [c for c in list(_ROOTS) if c.prefix is not None]
+        roots = [c for c in list(job().roots) if c.prefix is not None]
         stop_keys = [c.key("stopped") for c in roots]
         stop_keys += [_pg_stop_key(k) for k in {k for c in roots for k in c.pg_keys}]
         stop_keys.append(_pg_stop_key("*"))
@@ -342,10 +341,9 @@ def _crc(text: str) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
 
 
-def _forget(prefix: str, written: list[str]) -> None:
-    """A root was freed: delete the store keys this rank wrote for it, and its
-    record (see [Note: divergence records are per root])."""
-    _stopped.pop(prefix, None)
+def _forget(written: list[str]) -> None:
+    """A root was freed: delete the store keys this rank wrote for it (see
+    [Note: divergence records are per root])."""
     store = _store() if written else None
     if store is None:
         return
@@ -361,8 +359,6 @@ def stable_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-_ROOTS: "weakref.WeakSet[StepChecks]" = weakref.WeakSet()  # read by peer_record
-_roots_made = 0  # the highest root id this process took part in (see lazy_init)
 _AGREED = (3, 4)  # fields of the lazy-init vector that differ by rank: max and min taken
 AGREE_WAIT = 60.0  # seconds a rank that left a step half-done waits for the others' word
 
@@ -380,7 +376,7 @@ class StepChecks:
         self.index = {u: i for i, u in enumerate(units)}  # (explicit prefetch, by position)
         self.names = [u.fqn or "<root>" for u in units]
         self.enabled = step_check_enabled()  # the step check (the lazy-init one always)
-        self._opt_base = optimizer_steps  # optimizer steps before this root existed
+        self._opt_base = job().optimizer_steps  # optimizer steps before this root existed
         self._opt_seen = 0  # ... and since, at the last check
         self.forwards = 0   # root forwards since the last optimizer step
         self.backwards = 0  # backwards (outer) since the last optimizer step
@@ -399,10 +395,11 @@ class StepChecks:
         self._began = lambda: []
         self._pending: tuple | None = None  # a step check issued, not compared (settle)
         self.prefix: str | None = None
+        self.stopped: str | None = None  # this process's record, if it stopped on this root
         self._counts = [0] * len(self.pgs)
         self._written: list[str] = []
         self._ref = weakref.ref(self)
-        _ROOTS.add(self)
+        job().roots.add(self)  # (read by peer_record)
 
     def key(self, what: str) -> str:
         """A store key of this root (before lazy init has named it: of the lazy-init check)."""
@@ -415,12 +412,12 @@ class StepChecks:
         "roots I took part in, plus one" and the lowest rank (two roots alive
         at once share a rank, whose count tells them apart, or have different
         lowest ranks)."""
-        global _roots_made
+        j = job()
         for k in self.pg_keys:  # a group an earlier model stopped on
-            if k in _stopped_pgs:
+            if k in j.stopped_pgs:
                 raise_if_stopped(self.fqn, self)
         vec = [LAZY_INIT, len(layout), stable_hash("\n".join(layout)) & _MASK,
-               _roots_made + 1, -dist.get_rank()]
+               j.roots_made + 1, -dist.get_rank()]
         with label("step_check", self.fqn):
             self._issue(vec, lambda: [f"{len(layout)} units"] + layout)
         made, low = self._agreed[0], self._agreed[1]
@@ -438,23 +435,23 @@ class StepChecks:
             else:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
             made, low = t.tolist()
-        _roots_made = max(_roots_made, made)
+        j.roots_made = max(j.roots_made, made)
         self.prefix = f"fsdp_compose/root/{made}/{-low}"
-        weakref.finalize(self, _forget, self.prefix, self._written).atexit = False
+        weakref.finalize(self, _forget, self._written).atexit = False
 
     def before(self, phase: int, settings: tuple, describe) -> None:
         """At the start of ``phase`` (FORWARD, EVAL_FORWARD, BACKWARD), before
         its first collective. ``settings``: the schedule settings (hashable,
         ints and bools only: the same hash in every process); ``describe()``
         explains them in lines, on a mismatch."""
-        global _active
-        _active = self._ref
-        if _unsettled is not None:
+        j = job()
+        j.active = self._ref
+        if j.unsettled is not None:
             settle()
         if not self.enabled:
             return
-        if self._opt_seen != optimizer_steps - self._opt_base:
-            self._opt_seen, self.forwards, self.backwards = optimizer_steps - self._opt_base, 0, 0
+        if self._opt_seen != j.optimizer_steps - self._opt_base:
+            self._opt_seen, self.forwards, self.backwards = j.optimizer_steps - self._opt_base, 0, 0
         steps, fwd, bwd = self._opt_seen, self.forwards, self.backwards
         vec = [phase, steps, fwd, bwd, hash(settings) & _MASK]
 
@@ -487,7 +484,7 @@ class StepChecks:
             store = _store()
             if store is None:
                 return
-            record = json.dumps({"check": self.issued, "at": _positions, "phase": vec[0],
+            record = json.dumps({"check": self.issued, "at": job().positions, "phase": vec[0],
                                  "lines": [x[:_LINE] for x in lines()[:_LINES]]})
             try:
                 key = self.key(f"waiting/{dist.get_rank()}")
@@ -552,7 +549,7 @@ class StepChecks:
         that did not leave it waits in a collective, sees this rank's word in
         the store and stops; or the positions differ) raise. Bounded: a rank
         that says nothing within AGREE_WAIT seconds counts as not having left."""
-        if _unsettled is not None:  # (the forward raised before its first collective)
+        if job().unsettled is not None:  # (the forward raised before its first collective)
             settle()
         me = dist.get_rank()
         store = _store()
@@ -642,9 +639,8 @@ class StepChecks:
                            t, check))
         arrived = (rt, rt.current_stream().record_event()) if unread else None
         if defer:  # see settle
-            global _unsettled
             self._pending = (issued, unread, arrived, vec, lines)
-            _unsettled = self._ref
+            job().unsettled = self._ref
             return
         self._finish(issued, unread, arrived, vec, lines)
 
@@ -658,8 +654,7 @@ class StepChecks:
         """Wait for the step check issued at the phase's start and compare:
         before the phase's first collective (``next_op``), so that its round
         trip overlaps the root's bookkeeping between the two."""
-        global _unsettled
-        _unsettled = None
+        job().unsettled = None
         pending, self._pending = self._pending, None
         if pending is not None:
             self._finish(*pending)

@@ -12,7 +12,7 @@ FSDP2's form. Reversible: ``use_as_fsdp2(False)`` restores torch's.
 """
 from __future__ import annotations
 
-_SAVED: dict = {}
+_SAVED: dict = {}  # torch's module -> its own fully_shard: process-wide, as modules are
 
 
 def use_as_fsdp2(enable: bool = True) -> None:

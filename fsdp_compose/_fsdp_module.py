@@ -372,7 +372,7 @@ def _units_of(modules, where: str) -> tuple[Unit, ...]:
 #   alike, else an error names them. A changed unit re-makes and re-hooks every
 #   group, and its root context is dropped: the next forward runs lazy init.
 # Nested ``_apply`` calls (the children of the outermost module) only recurse.
-_APPLYING = False
+_APPLYING = False  # process-wide: set for the outermost _apply call only, never kept after it
 
 
 def _held(e) -> torch.Tensor:
@@ -459,7 +459,7 @@ class UnshardHandle:
         self._unit.wait_for_unshard()
 
 
-_CLASS_CACHE: dict[type, type] = {}
+_CLASS_CACHE: dict[type, type] = {}  # class -> its FSDP class: process-wide, as classes are
 
 
 def original_class(module: nn.Module) -> type:

@@ -22,6 +22,7 @@ from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInf
 from . import _extension
 from ._flat_group import FlatGroup, PostForward
 from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
+from ._job import job
 from ._layout import GRANULARITIES
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
 from ._state import assign_fqns, lazy_init_root
@@ -112,50 +113,43 @@ def _collect(modules: list[nn.Module], ignored: set[int], label: str):
     return [found[i] for i in order]
 
 
-_RS_GROUPS: dict = {}
-
-
 def _reduce_scatter_group(pg):
-    """A second process group over the same ranks, for reduce-scatters.
+    """A second process group over the ranks of ``pg`` (``pg`` itself at
+    world size 1), for fully_shard's reduce-scatters and their used-flags
+    only: all-gathers and reduce-scatters each follow their own
+    rank-independent order, so they must not share a group ([Note:
+    collective order] in _backward_schedule.py), and the point-to-point
+    exchanges of [Note: gloo collectives] (_collectives.py) must meet no one
+    else's messages there.
 
-    See [Note: collective order] in _backward_schedule.py: all-gathers and reduce-scatters
-    each follow their own rank-independent order, so they must not share a
-    group. Created at fully_shard time (every member calls fully_shard in the
-    same order); only the members take part. Nothing but fully_shard's
-    reduce-scatters (and their used-flags) runs on it: on gloo, small ones
-    are point-to-point exchanges (see [Note: gloo collectives]).
-
-    Over every rank of the default group (the usual 1-D mesh) it is made
-    without ``use_local_synchronization``: every rank is a member, so every
-    rank calls ``new_group`` here, and torch then names the group by a
-    counter instead of a SHA-1 of its ranks, which initialises OpenSSL in
-    every rank (about 1-1.5 MiB of RSS, measured; docs/design.md, "Peak RSS
-    of small units").
+    Made once per (ranks, backend) in a job (_job.py), at fully_shard time:
+    every member calls fully_shard in the same order. Only the members take
+    part, except over every rank of the default group, where every rank
+    calls ``new_group`` (so torch names it by a counter, not a SHA-1 of its
+    ranks: docs/design.md, "Peak RSS of small units").
     """
     if dist.get_world_size(pg) == 1:
         return pg
     key = dist.get_process_group_ranks(pg)
     key = (tuple(key), dist.get_backend(pg))
-    if key not in _RS_GROUPS:
+    groups = job().rs_groups
+    if key not in groups:
         world = key[0] == tuple(range(dist.get_world_size()))
-        _RS_GROUPS[key] = dist.new_group(list(key[0]), use_local_synchronization=not world)
-    return _RS_GROUPS[key]
-
-
-_LOADS: dict = {}
+        groups[key] = dist.new_group(list(key[0]), use_local_synchronization=not world)
+    return groups[key]
 
 
 def _rank_loads(pg) -> list[int] | None:
     """The bytes of shards each rank of ``pg`` holds from the groups built over
-    the same ranks so far in this process, updated by each new group: uneven
-    row layouts place their boundaries to even out these sums (see [Note:
-    shard layout] in _layout.py). Every member builds the same groups in the
-    same order (the collectives require it), so every member sees the same
-    loads. None at world size 1."""
+    the same ranks so far in this job (_job.py), updated by each new group:
+    uneven row layouts place their boundaries to even out these sums (see
+    [Note: shard layout] in _layout.py). Every member builds the same groups
+    in the same order (the collectives require it), so every member sees the
+    same loads. None at world size 1."""
     if dist.get_world_size(pg) == 1:
         return None
     key = (tuple(dist.get_process_group_ranks(pg)), dist.get_backend(pg))
-    return _LOADS.setdefault(key, [0] * dist.get_world_size(pg))
+    return job().loads.setdefault(key, [0] * dist.get_world_size(pg))
 
 
 def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
@@ -237,9 +231,6 @@ def _check_reshard_after_forward(label: str, raf, shard_world: int):
     return True, raf
 
 
-_PF_GROUPS: dict = {}
-
-
 def _post_forward_group(pg, size: int) -> PostForward:
     """This rank's group of ``size`` consecutive ranks of ``pg`` (reshard_after_forward=int).
 
@@ -249,9 +240,10 @@ def _post_forward_group(pg, size: int) -> PostForward:
     me = ranks.index(dist.get_rank())
     block = tuple(ranks[me // size * size:(me // size + 1) * size])
     key = (block, dist.get_backend(pg))
-    if key not in _PF_GROUPS:
-        _PF_GROUPS[key] = dist.new_group(list(block), use_local_synchronization=True)
-    group = _PF_GROUPS[key]
+    groups = job().pf_groups
+    if key not in groups:
+        groups[key] = dist.new_group(list(block), use_local_synchronization=True)
+    group = groups[key]
     return PostForward(group, size, dist.get_rank(group))
 
 

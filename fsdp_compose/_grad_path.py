@@ -86,7 +86,7 @@ from ._streams import Pending, StreamManager
 # sends them in a tiny all-reduce of their own, where that copy would cost
 # more than the collective's latency (see [Note: parameters without a gradient]).
 INLINE_FLAGS_BYTES = 256 << 10
-_inline_flags_bytes = INLINE_FLAGS_BYTES
+_inline_flags_bytes = INLINE_FLAGS_BYTES  # process-wide: a test seam, for a with block
 
 
 @contextlib.contextmanager

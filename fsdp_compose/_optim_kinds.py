@@ -11,6 +11,7 @@ WHOLE_TENSOR = "whole_tensor"  # exact where each piece is the whole tensor (or 
 GLOBAL = "global"              # reduces over all parameters: exact only unsharded
 KINDS = (ELEMENTWISE, WHOLE_TENSOR, GLOBAL)
 
+# process-wide, keyed by class (fsdp_compose.declare_optimizer adds the user's)
 KIND_BY_CLASS: dict[type, str] = {}
 for _name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
               "Adamax", "Rprop", "ASGD"):

@@ -16,6 +16,9 @@ optimizer check, clip and ``param_info``.
   fully_shard), and -> a weak reference to its entry (``ORIGINAL_ENTRY``,
   to name it). A unit holds no original Parameter, so these maps hold no
   key of their own either.
+
+Process-wide by nature: every entry is attached to (weakly keyed by) its
+object and goes with it; per-job state is in _job.py.
 """
 from __future__ import annotations
 

@@ -28,6 +28,12 @@ def test_registry_is_a_leaf():
     assert runtime == [], runtime
 
 
+def test_job_is_a_leaf():
+    """Per-job state (_job.py) is readable from anywhere."""
+    edges = import_graph.graph()
+    assert edges["fsdp_compose._job"] == {}, edges["fsdp_compose._job"]
+
+
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "fsdp_compose"
     pkg.mkdir()

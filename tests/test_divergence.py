@@ -236,8 +236,9 @@ def _models_in_sequence(rank: int, fault: str):
         trials.append((losses, keys, _store_keys()))
     reference = run(None)[0]
     gc.collect()  # (the last loss held the last model's graph until run returned)
-    from fsdp_compose import _divergence
-    return trials, reference, len(_divergence._ROOTS), len(_divergence._stopped)
+    from fsdp_compose._job import job
+    roots = list(job().roots)
+    return trials, reference, len(roots), sum(c.stopped is not None for c in roots)
 
 
 def _student_and_teacher(rank: int):

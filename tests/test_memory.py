@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import torch.distributed as dist
 
-from fsdp_compose import _backward_schedule, _flat_group, _fully_shard, _registry, fully_shard
+from fsdp_compose import _backward_schedule, _flat_group, _registry, fully_shard
+from fsdp_compose._job import job
 
 from ._dist import run_distributed
 
@@ -174,7 +175,7 @@ def _rs_group_names(rank, world):
     m = _stack(2, 8, 8)
     m(torch.randn(2, 8)).sum().backward()
     return {ranks: dist.distributed_c10d._get_process_group_name(g)
-            for (ranks, _), g in _fully_shard._RS_GROUPS.items()}
+            for (ranks, _), g in job().rs_groups.items()}
 
 
 def test_reduce_scatter_group_over_the_world_is_not_named_by_a_hash():

@@ -124,13 +124,13 @@ def setup(cfg, rank: int, world: int):
     """The model built for real (seed 0 on every rank) and sharded as the plan
     does; its units (root first), optimizer and this rank's batch."""
     import torch
-    from fsdp_compose import _fully_shard
+    from fsdp_compose._job import job
     from fsdp_compose._registry import unit_of
     from tools.plan import build_model, make_mesh, make_optimizer, select_blocks, shard
     # as a plan does, from no rank loads (uneven layouts even out the loads of
-    # the groups built before them: an earlier run in this process would move
+    # the groups built before them: an earlier run in this job would move
     # this run's boundaries)
-    _fully_shard._LOADS.clear()
+    job().loads.clear()
     torch.manual_seed(0)
     model = build_model(cfg)
     blocks = select_blocks(model, cfg.units)

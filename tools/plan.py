@@ -241,15 +241,11 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
     """The plan at ``world`` ranks (see the module docstring)."""
     import torch
     import torch.distributed as dist
-    from fsdp_compose import _fully_shard
     from fsdp_compose._registry import unit_of
     from tools import _planner
 
     t0 = time.perf_counter()
-    _fake_group(world)
-    caches = (_fully_shard._RS_GROUPS, _fully_shard._PF_GROUPS, _fully_shard._LOADS)
-    cached = tuple({k: list(v) if isinstance(v, list) else v for k, v in c.items()}
-                   for c in caches)
+    _fake_group(world)  # a job of its own: the groups and rank loads fully_shard keeps are its
     try:
         with torch.device("meta"):
             model = build_model(cfg)
@@ -257,11 +253,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         last = root_grads_last(model, blocks)
         shard(model, blocks, cfg, make_mesh(world, cfg.hsdp))
         units = _planner.describe(unit_of(model), [unit_of(b) for b in blocks])
-    finally:  # the fake groups must not outlive the plan
-        for cache, before in zip(caches, cached):
-            for k in set(cache) - set(before):
-                del cache[k]
-            cache.update(before)  # (the rank loads: as before the plan)
+    finally:
         dist.destroy_process_group()
     step = _planner.Step(units, schedule=cfg.schedule, prefetch_depth=cfg.prefetch_depth,
                          gather_bucket_bytes=cfg.bucket_bytes,
