@@ -88,7 +88,9 @@ group is never bucketed).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 from enum import Enum
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -123,6 +125,32 @@ class PostForward(NamedTuple):
     rank: int   # this rank's index in it
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a group is, one frozen value (``FlatGroup.spec``, each field also
+    readable as ``group.<field>``): its mesh and process groups, its dtypes
+    and its mode. Made by fully_shard; replaced (dtypes, mode) only when a
+    cast or move re-makes the group (``adopt_params``). The schedule, the
+    step checks, the planner and the state-dict code read it."""
+
+    mesh: object                 # the unit's DeviceMesh (state dicts place DTensors on it)
+    pg: object                   # its all-gathers
+    rs_pg: object                # its reduce-scatters (see _backward_schedule.py)
+    replicate_pg: object         # HSDP: gradient shards are all-reduced over it; or None
+    world: int                   # ranks the shard is split over
+    rank: int                    # this rank's index among them
+    replicas: int                # HSDP replicas (1: none)
+    post_forward: PostForward | None  # reshard_after_forward=N
+    offload: bool                # the shard lives in host memory
+    pin_memory: bool
+    granularity: str             # "row" or "tensor" (see [Note: shard layout])
+    mesh_device: torch.device    # where fully_shard put it (the flat's device with offload)
+    dtype: torch.dtype | None = None          # the shard's (the master copy)
+    compute_dtype: torch.dtype | None = None  # the unsharded flat's (param_dtype)
+    reduce_dtype: torch.dtype | None = None   # the reduce-scatter's
+    mode: FlatMode | None = None              # see [Note: world size 1]
+
+
 class FlatGroup:
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
                  world: int, rank: int, pg, rs_pg,
@@ -139,14 +167,10 @@ class FlatGroup:
         # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
         self.requires_grad: bool = first.requires_grad
         self._trains: tuple[bool, ...] = (first.requires_grad,) * len(params)
-        self.world, self.rank = world, rank
-        self.pg, self.rs_pg = pg, rs_pg  # all-gathers / reduce-scatters, see _backward_schedule.py
-        self.replicate_pg = replicate_pg  # HSDP: gradient shards are all-reduced over it
-        self.mesh = mesh  # the unit's DeviceMesh (state dicts place DTensors on it)
-        self.replicas = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
-        self.post_forward = post_forward
-        self.offload, self.pin_memory = offload, pin_memory
-        self.mesh_device = device  # where fully_shard put it (the flat's device with offload)
+        self.spec = GroupSpec(
+            mesh, pg, rs_pg, replicate_pg, world, rank,
+            dist.get_world_size(replicate_pg) if replicate_pg is not None else 1,
+            post_forward, offload, pin_memory, granularity, device)
         self._policy_dtypes = (param_dtype, reduce_dtype)  # the unit's mp_policy, or Nones
         self._set_dtype(first.dtype)
         self.unit_fqn = unit_fqn
@@ -164,7 +188,6 @@ class FlatGroup:
         if loads is not None:
             for r in range(world):
                 loads[r] += layout.shard_numel(r) * held
-        self.granularity = granularity
         self.padded_numel = layout.numel
         self.shard_numel = layout.shard_numel(rank)
         # this rank's range of the flat; every rank's (uneven pieces) or None (equal chunks)
@@ -172,7 +195,7 @@ class FlatGroup:
         self.gather_bounds = None if layout.even else layout.bounds
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
         self._split_sizes, self._view_at = layout.split_plan()
-        self.mode: FlatMode = self._decide_mode()  # see [Note: world size 1]
+        self.spec = replace(self.spec, mode=self._decide_mode())
         self.grad = GradientPath(self)  # the gradient half (_grad_path.py)
 
         self._grad_hook = None
@@ -207,12 +230,16 @@ class FlatGroup:
     def _set_dtype(self, dtype: torch.dtype) -> None:
         """The shard's dtype (the master copy) and what follows from it."""
         param_dtype, reduce_dtype = self._policy_dtypes
-        self.dtype = dtype
         floating = dtype.is_floating_point
-        self.compute_dtype = param_dtype if (param_dtype and floating) else dtype
-        self.reduce_dtype = reduce_dtype if (reduce_dtype and floating) else self.compute_dtype
-        # one pass (cast and/or host-to-device) into flat's own chunk before the all-gather
-        self._copies_in = self.compute_dtype != dtype or self.offload
+        compute = param_dtype if (param_dtype and floating) else dtype
+        self.spec = replace(self.spec, dtype=dtype, compute_dtype=compute,
+                            reduce_dtype=reduce_dtype if (reduce_dtype and floating) else compute)
+
+    @property
+    def _copies_in(self) -> bool:
+        """One pass (cast and/or host-to-device) into the flat's own chunk
+        before the all-gather."""
+        return self.compute_dtype != self.dtype or self.offload
 
     def _decide_mode(self) -> FlatMode:
         """See [Note: world size 1]; needs the entries and the dtypes."""
@@ -344,7 +371,7 @@ class FlatGroup:
         first = params[0]
         flat_grad = self.flat.grad
         self._set_dtype(first.dtype)
-        self.mode = self._decide_mode()
+        self.spec = replace(self.spec, mode=self._decide_mode())
         device = first.device
         if self.offload and device.type != "meta":
             device = self.mesh_device  # the shard stays on CPU; the flat where it computes
@@ -504,6 +531,12 @@ class FlatGroup:
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.granularity}, {self.state.name})")
+
+
+# the spec's fields, read as the group's own (``g.world``, ``g.dtype``, ...)
+for _field in fields(GroupSpec):
+    setattr(FlatGroup, _field.name, property(attrgetter(f"spec.{_field.name}")))
+del _field
 
 
 class _GatherBucketWork:
