@@ -1,26 +1,21 @@
-"""One fully_shard unit: its modules, flat groups, hooks and training state.
+"""One fully_shard unit: its modules, flat groups, hooks, settings and training state.
 
 [Note: who decides] A unit *reports* its hooks' events to the root
 (``RootContext``: ``record_forward``, ``forward_end``, ``on_backward_hook``,
-``grads_computed``, ``reduce``), which *decides* what is gathered, freed and
-reduced: every all-gather is asked of ``RootContext.gather(unit, why)`` and
-every free after an event of ``RootContext.reshard(unit, event)``. The unit's
-own acts (``unshard``, ``wait_for_unshard``, ``reshard``,
-``launch_reduce_scatters``) only pass the root's decision to its flat groups,
-which act; they never call back into the root. The unit writes its own fields
-only (the root writes none of them, and it none of the root's).
+``pre_backward``, ``grads_computed``, ``grads_ready``); the schedule
+(``RootContext``, ``BackwardSchedule``) *decides* what is gathered, freed and
+reduced, and issues it through ``_group_ops`` (a unit alone is a bucket of
+one). The unit's own acts (``wait_for_unshard``, ``reshard``) act on its own
+groups and never call back into the root; it writes its own fields only, and
+each hook moves its ``TrainingState`` along ``_MOVES`` or raises:
 
-A step, as the unit sees it:
-
-    pre_forward   unshard (all-gather), install full-shape views     IDLE -> FORWARD
-    post_forward  register pre-backward on the outputs; reshard if
-                  reshard_after_forward (always in eval)             FORWARD -> IDLE
-    pre_backward  unshard again if it was resharded                  -> PRE_BACKWARD
-    post_backward every trainable group's flat gradient is
-                  accumulated: reshard, hand the unit to the root's
-                  reduce-scatter scheduler                           -> POST_BACKWARD
-    final         (root callback) reduce-scatter what is left,
-                  reshard, reset                                     -> IDLE
+    pre_forward    all-gathered, full-shape views installed      IDLE -> FORWARD
+    post_forward   pre-backward hook on the outputs; the root's
+                   AFTER_FORWARD reshard decision                FORWARD -> IDLE
+    pre_backward   gathered again if it was resharded            -> PRE_BACKWARD
+    post_backward  every trainable group's flat gradient is in:
+                   reshard decision, then the reduce-scatter     -> POST_BACKWARD
+    final          (root callback) what is left; reset            -> IDLE
 
 [Note: recomputation] A forward that runs *inside* backward is activation-
 checkpoint recomputation: pre_forward only makes sure the unit is unsharded;
