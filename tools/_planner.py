@@ -348,7 +348,7 @@ class Step:
             self.gathers[id(g)] = self.gathers.get(id(g), 0) + 1
 
     def _unshard(self, u: UnitInfo, order: list[UnitInfo] | None) -> None:
-        """RootContext.gather: a bucket (_gather_bucket), else Unit.unshard."""
+        """RootContext.gather: a bucket (RootContext._bucket), else a bucket of one."""
         if self.ag_limit > 0 and self.communicates and order is not None and u in order:
             run, total = [], 0
             for v in order[order.index(u):]:
