@@ -1,89 +1,42 @@
 """One flat group: the parameters of one unit that share (dtype, requires_grad).
 
-This file holds its storage: the local shard, the unsharded flat and the
-views over them, gathered (``unshard``) and freed (``reshard``). Where each
-parameter's rows lie is _layout.py (pure arithmetic) and _param_entry.py;
-what happens to the flat gradient is _grad_path.py (``GradientPath``, the
-other half of ``FlatGroup``).
+This file holds its storage: the shard, the unsharded flat and the views over
+them, gathered (``unshard``) and freed (``reshard``). Where each parameter's
+rows lie: _layout.py and _param_entry.py; the gradient: ``group.grad``, a
+``GradientPath`` (_grad_path.py). Decisions and measurements: docs/design.md,
+"Views and how they are swapped", "World size 1: parameters keep their shape".
 
-[Note: tensor vocabulary]
-For a group on a mesh of ``W`` ranks, with ``S`` elements per rank:
+[Note: tensor vocabulary] (``S``: this rank's ``shard_numel``)
+- *shard* (S, the parameters' dtype, in host memory with offload): the master
+  copy, this rank's range ``flat_range`` of the flat ([Note: shard layout]);
+  the sharded Parameters are views of it (``ParamEntry.piece``).
+- *flat* (``padded_numel``, ``compute_dtype``): a leaf whose storage is
+  allocated at unshard and freed at reshard (``untyped_storage().resize_``),
+  so it and its views keep their identity. The all-gather's output, the
+  shard its input (a cast or offload first copies the shard in ONE pass into
+  this rank's range of the flat, then gathers in place).
+- *views*: ONE ``split`` of the flat plus a ``view`` each, re-made at every
+  grad-enabled forward (``refresh_views``: an older split node would run last
+  in backward), so backward writes ONE *flat gradient* (``flat.grad``, zeros
+  where none came), whose post-accumulate hook is the post-backward. Its
+  reduce-scatter's output, the *gradient shard* (S, the shard's dtype and
+  device), is held only by the ``p.grad`` views of it: ``zero_grad()`` frees it.
 
-- *local shard* ``shard`` (S = ``shard_numel``; with uneven pieces this
-  rank's own size): persistent, in the parameters' own dtype (the master
-  copy), on the compute device, or on CPU with offloading. Rank r's chunk
-  ``[r·S, (r+1)·S)`` of the padded flat buffer (uneven pieces: its range
-  ``flat_range``), laid out as in [Note:
-  shard layout] (_layout.py): each parameter's piece on this rank is a block
-  of whole dim-0 rows, and the sharded ``nn.Parameter``s the optimizer holds
-  are views of it shaped ``(rows_r, *shape[1:])`` (``ParamEntry.piece``): the
-  original ndim and trailing dims at every world size, the full shape at
-  world size 1. Without mixed
-  precision or offloading it is the all-gather *input*, as is: no copy-in.
-- *unsharded flat* ``flat`` (W·S), in the *compute dtype* (``param_dtype`` of
-  the unit's mixed-precision policy, else the parameters' dtype): a leaf
-  tensor (``requires_grad`` when the group trains) whose storage is allocated
-  on unshard and freed on reshard (``untyped_storage().resize_``), so the
-  tensor and every view of it keep their identity across iterations. It is
-  the all-gather *output*: no copy-out. With mixed precision or offloading,
-  the shard is cast / copied in ONE pass into this rank's own chunk of
-  ``flat``, and the all-gather runs in place from that chunk. At world size 1
-  without either, it aliases the local shard and is never freed.
-- *unsharded views*: the original parameters while unsharded, made by a
-  single ``split`` of ``flat`` plus a ``view`` each. One split means one
-  autograd node: backward writes ONE flat gradient (zeros for unused
-  parameters and padding) into ``flat.grad`` through a single AccumulateGrad,
-  whose post-accumulate hook is the group's post-backward.
-  The split is re-made at every grad-enabled forward (``refresh_views``), not
-  once: the autograd engine runs ready nodes in decreasing sequence number,
-  so a split node created at ``fully_shard`` time would be starved until the
-  whole backward is done (no reduce-scatter overlap, every unit unsharded at
-  once). Made in pre-forward, it runs as soon as the unit's gradients are in.
-- *flat gradient* ``flat.grad`` (W·S, compute dtype): the reduce-scatter
-  *input*, as is (cast once first when ``reduce_dtype`` differs).
-- *gradient shard* (S, the parameters' dtype, where the shard lives): the
-  reduce-scatter output, as is when dtype and device match. ``p.grad`` of
-  each sharded parameter is the matching view of it (``ParamEntry.piece``);
-  only those views keep it alive, so ``zero_grad()`` frees it. At world size
-  1 it is the flat gradient (a direct group has none: autograd sets p.grad).
-- *post-forward shard* (W·S/N): with ``reshard_after_forward=N`` (an int),
-  after forward this rank keeps its 1/N of ``flat`` (state ``PARTIAL``) and
-  the backward all-gather runs within its group of N ranks.
-
-[Note: world size 1]
-Every rank holds every element, so a sharded Parameter's piece is the whole
-parameter, in its own shape (a 0-dim one is 1-D: see ``piece_shape``). What
-the unsharded flat then is, is ONE mode per group (``FlatGroup.mode``, a
-``FlatMode``), decided from its world size and policies when the group is
-built and again when a cast or move re-makes it (``_decide_mode``):
-
-- ``GATHERED``: shard world size > 1: the all-gather output, freed on reshard;
-- ``COPIED``: world size 1 with a cast (``param_dtype``) or CPU offload: a
-  copy of the whole shard (one pass, no collective), freed on reshard;
-- ``ALIASED``: world size 1, nothing to copy in: the flat IS the shard, never
-  freed (``aliased``); views, one split node and one flat gradient as at any
-  world size, for what needs them: a DTensor to re-expose, a 0-dim
-  parameter, a reduce dtype of its own, or HSDP's all-reduce;
+[Note: world size 1] Every rank holds every row, so a piece is the whole
+parameter, in its shape (0-dim: 1-D, ``piece_shape``). ``FlatGroup.mode``, a
+``FlatMode``, is decided by ``_decide_mode`` when the group is built or re-made:
+- ``GATHERED``: world size > 1: the flat is the all-gather output, freed at reshard;
+- ``COPIED``: world size 1 with a cast (``param_dtype``) or offload: the flat
+  is a copy of the whole shard (one pass, no collective), freed at reshard;
+- ``ALIASED``: world size 1, nothing to copy: the flat IS the shard, never
+  freed; views, split node and flat gradient as at any world size (for a
+  DTensor, a 0-dim parameter, its own reduce dtype, HSDP, a post-forward group);
 - ``DIRECT``: ``ALIASED`` with none of those: the sharded Parameters are
   full-shape leaves over the shard with their own AccumulateGrad (plain
-  PyTorch's backward): no views to swap, no flat gradient, no hooks
-  (``direct``). Not for 0-dim parameters: their piece is 1-D (a 0-dim
-  exp_avg would look like a replicated scalar such as ``step`` in optimizer
-  state), so it cannot be the leaf itself.
-
-Two decisions above the group read these modes and are named for what they
-add: a unit is *passive* (``Unit.passive``) when every group is ``DIRECT``
-and it casts no inputs or outputs (its hooks would do nothing); a model
-*communicates* (``RootContext.communicates``, set at lazy init) when some
-group is ``GATHERED`` (buckets, and keeping passive units' hooks, are for
-that case only).
-
-Layout (_layout.py): every parameter is contiguous in the unsharded flat and
-starts at a multiple of ``ALIGN_BYTES`` (gap elements are padding); rank r's
-shard is the range ``layout.rank_range(r)`` of it (``flat_range`` here),
-starting aligned: equal chunks (``S``), or, where those would pad too much,
-uneven pieces (``gather_bounds``: the collectives are then uneven, and the
-group is never bucketed).
+  PyTorch's backward): no views, no flat gradient, no hooks.
+A unit is *passive* (``Unit.passive``) when every group is ``DIRECT`` and it
+casts nothing; a model *communicates* (``RootContext.communicates``) when some
+group is ``GATHERED``.
 """
 from __future__ import annotations
 
@@ -152,6 +105,11 @@ class GroupSpec:
 
 
 class FlatGroup:
+    """One group's storage (see the module docstring). ``state``: SHARDED or
+    PARTIAL -> UNSHARDING (``unshard`` or ``gather_bucket`` issued the
+    all-gather; UNSHARDED at once where nothing is gathered) -> UNSHARDED
+    (``wait_for_unshard``) -> SHARDED or PARTIAL (``reshard``)."""
+
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
                  world: int, rank: int, pg, rs_pg,
                  param_dtype: torch.dtype | None = None,
@@ -339,12 +297,10 @@ class FlatGroup:
         return True
 
     def materialize_(self, device: torch.device) -> None:
-        """Give a group built on the meta device real (uninitialised) storage.
-
-        The sharded Parameters and the flat leaf are NEW objects (a meta tensor
-        cannot become a real one in place); the modules' slots are updated.
-        Callers that index Parameters (``_registry.SHARDED``) re-register them.
-        """
+        """Give a group built on the meta device real (uninitialised) storage;
+        RuntimeError if it is not on meta. The sharded Parameters and the flat
+        leaf are NEW objects (the modules' slots are updated): callers that
+        index Parameters (``_registry.SHARDED``) re-register them."""
         if self.device.type != "meta":
             raise unit_error(self.unit_fqn, "materialize_: the group is not on the meta device.")
         old = [e.sharded for e in self.entries]
@@ -383,7 +339,8 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ views
     def refresh_views(self) -> None:
-        """Re-make the full-shape views (and their one split node), see the Note."""
+        """Re-make the full-shape views and their one split node (see [Note:
+        tensor vocabulary]); a direct group's views are its Parameters."""
         if self.direct:  # the Parameters are full-shape already
             for e in self.entries:
                 e.unsharded = e.sharded
@@ -439,7 +396,8 @@ class FlatGroup:
             self._alloc_flat()
 
     def unshard(self, streams: StreamManager) -> None:
-        """Issue the all-gather (no wait). Idempotent."""
+        """Issue the all-gather (no wait); idempotent. PARTIAL: within the
+        post-forward group. Raises RuntimeError on the meta device."""
         if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:
             return
         if self.device.type == "meta":
@@ -540,17 +498,12 @@ del _field
 
 
 class _GatherBucketWork:
-    """The all-gather several groups share: waited once; each group's chunks
-    are copied from the bucket into its flat buffer when that group waits
-    (its flat is allocated then, or at its views' refresh just before), and
-    the bucket is released after the last copy.
-
-    So the bucket's flats are not all allocated at once: a unit's flat exists
-    from its own pre-forward / pre-backward on, as without buckets, and at
-    most the bucket plus the flats in use are alive (not the bucket plus
-    every flat it covers). ``flush()`` copies out every group still waiting
-    (the next bucket of the same kind wants the kept buffer, see [Note:
-    bucket buffers] in _streams.py)."""
+    """The all-gather several groups share, waited once. Each group's chunks
+    are copied into its flat when that group waits (its flat allocated then,
+    or at its views' refresh just before), so at most the bucket and the flats
+    in use are alive; the bucket is released after the last copy. ``flush()``
+    copies out every group still waiting (the next bucket of the same kind
+    wants the kept buffer: [Note: bucket buffers] in _streams.py)."""
 
     def __init__(self, pending: Pending, groups: list[FlatGroup], buf: torch.Tensor,
                  streams: StreamManager):
@@ -590,15 +543,11 @@ class _GroupShare:
 
 
 def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
-    """ONE all-gather for several sharded groups with the same ``gather_key()``.
-
-    The bucket is rank-major (for each rank r, every group's chunk r in turn):
-    this rank's row is filled from the shards (cast / host-to-device in the
-    same pass), gathered, and each group's chunks are copied into its flat
-    when that group waits (see _GatherBucketWork). For many small units,
-    where a collective's latency dominates its bytes: one collective instead
-    of one per unit, for two copies of the bucket.
-    """
+    """ONE all-gather for several sharded groups with the same ``gather_key()``:
+    rank-major (for each rank r, every group's chunk r in turn); this rank's
+    row is filled from the shards (cast / host-to-device in the same pass),
+    and each group's chunks are copied into its flat when that group waits
+    (``_GatherBucketWork``). Every group is UNSHARDING after it."""
     first = groups[0]
     W, total = first.world, sum(g.shard_numel for g in groups)
     work = _GatherBucketWork(None, groups, None, streams)

@@ -8,64 +8,39 @@ accumulated to ``p.grad`` of the sharded Parameters.
     _finish_reduce   the post-reduce: HSDP all-reduce, post-divide, cast or
                      device-to-host copy, then ``_fold_grad`` into p.grad
 
-``GradientPath`` is the gradient half of ``FlatGroup`` (_flat_group.py holds
-the storage half: shard, flat, views, gather and free). It is a mixin: it
-owns the attributes ``_init_grad_state`` sets (``on_grads_computed`` is set
-by the unit, ``requires_all_reduce`` by ``FSDPModule``), and reads the
-group's layout and storage (``entries``, ``flat``, ``shard_numel``,
-``padded_numel``, ``gather_bounds``, ``world``, ``replicas``, ``device``, ``dtype``,
-``compute_dtype``, ``reduce_dtype``, ``rs_pg``, ``replicate_pg``,
-``offload``, ``pin_memory``, ``unit_fqn``, ``_trains``, ``_view_at``), which
-it writes only through ``flat.grad``.
+``GradientPath`` is ``group.grad`` of a ``FlatGroup`` (_flat_group.py holds
+the storage: shard, flat, views, gather and free). It owns the used-flags,
+the unsynced sum and HSDP's partial sum; it reads the group's layout, storage
+and spec through a weak reference and writes the group only through
+``flat.grad`` and the entries' ``p.grad``. Decisions and measurements:
+docs/design.md, "Gradients", "Gradients as DDP's".
 
-[Note: parameters without a gradient]
-The flat gradient has zeros wherever a parameter got no gradient, so it
-cannot tell "no gradient" from "a zero gradient". Plain PyTorch and DDP
-(``find_unused_parameters=True``) leave ``p.grad`` None for a parameter that
-no rank produced a gradient for (Adam/AdamW would otherwise still move it:
-momentum, weight decay), and ranks must agree on it (optimizer state, and
-every later collective, depend on it). So:
+[Note: parameters without a gradient] ``p.grad`` stays None exactly where
+DDP (``find_unused_parameters=True``) leaves it, for an entry no rank produced
+a gradient for, alike on every rank. The flat gradient cannot tell that from
+a zero gradient, so:
+- each group flags, per entry, whether this rank produced one: the split
+  node's pre-hook sees None for a view that got none, OR-ed over the unit's
+  uses and the unsynced microbatches (``_before_split_backward``);
+- the flags travel with the reduction: in a bucket, and for a flat gradient
+  up to ``INLINE_FLAGS_BYTES``, as E more columns after each rank's chunk of
+  the reduce-scatter input, so the output is the gradient shard then the
+  flags' rank average (``_launch_inline``); else a SUM all-reduce of E fp32 on
+  the same process group. HSDP adds and all-reduces them with the gradient;
+- the fold: an entry no rank produced a gradient for gets none, a frozen
+  entry (``requires_grad_(False)``) is never touched, every other one gets
+  the rank average; a rank that produced every gradient reads no counts.
 
-- each group notes, per entry, whether this rank produced a gradient: a
-  pre-hook on each split node sees None for every view that got none
-  (``_before_split_backward``), OR-ed over the unit's uses and over the
-  microbatches the flat gradient sums (``set_requires_gradient_sync(False)``);
-- the flags travel with the reduction, so every rank learns whether any
-  rank produced each gradient, whatever its own graph was: in a bucket, and
-  for a flat gradient up to ``INLINE_FLAGS_BYTES``, as E more columns after
-  the group's chunk in the rank-major reduce-scatter input (the same on
-  every rank), so its output is the gradient shard then the flags' rank
-  average (``_launch_inline``: one copy of the flat gradient); a larger
-  group sends them in a tiny all-reduce (SUM, one fp32 per entry) right
-  after its reduce-scatter on the same process group. With HSDP they are
-  added into the partial sum and all-reduced over the replicas with the
-  gradient (inline: in the same collective);
-- folding: an entry no rank produced a gradient for, whose ``p.grad`` is
-  None, keeps None; an entry whose sharded Parameter does not require grad
-  (``requires_grad_(False)`` after fully_shard) is never touched; every other
-  entry gets the rank average, as before.
-A rank that produced every gradient does not read the counts (all >= 1):
-on CUDA that read would be a device-to-host copy.
-
-[Note: empty pieces] Where this rank holds none of a parameter that other
-ranks hold (``ParamEntry.held_elsewhere``: a row piece of 0 rows, or a
-tensor-layout parameter owned by another rank), the fold treats it like any
-other entry: where some rank produced its gradient, ``p.grad`` is an empty
-gradient of the piece's shape ``(0, *shape[1:])`` (of the gradient shard's
-dtype and device, but not a view of it: on a rank that holds nothing of a
-group a view would keep the whole gradient shard alive), and None where no
-rank did. So the pattern of ``p.grad is None`` is the same on every rank
-and is DDP's: per-parameter
-logging, a user's collective guarded by ``p.grad is not None``, or code
-comparing gradients across ranks sees one model. An element-wise optimizer
-steps the empty piece as DDP steps the whole: its state for it is created
-(empty tensors, and a ``step`` counted as on every other rank), and nothing
-moves. An optimizer that needs whole tensors (Adafactor divides by the
-element count) does not see the empty gradients during its ``step()``: see
-[Note: optimizers on sharded parameters] in _torch_hooks.py.
-
-The gradient shard is held only by the p.grad views (through their
-``_base``): ``zero_grad(set_to_none=True)`` frees it, as in plain PyTorch.
+[Note: empty pieces] Where this rank holds none of a parameter other ranks
+hold (``ParamEntry.held_elsewhere``: 0 rows, or a tensor-layout parameter
+owned elsewhere), the fold treats it like any entry: ``p.grad`` is an empty
+gradient of the piece's shape ``(0, *shape[1:])`` where some rank produced
+one, None where none did, so ``p.grad is None`` is alike on every rank, as
+with DDP. It has the gradient shard's dtype and device but is not a view of
+it (that would keep the whole shard alive on a rank holding nothing of the
+group). An element-wise optimizer steps it as DDP steps the whole (state
+created, ``step`` counted, nothing moves); one that needs whole tensors does
+not see it: [Note: optimizers on sharded parameters] in _torch_hooks.py.
 """
 from __future__ import annotations
 
@@ -261,10 +236,9 @@ def _flags_tensor(flags: list[bool], streams: StreamManager,
 
 
 class GradientPath:
-    """A flat group's gradient path (``group.grad``, see the module docstring):
-    it owns the used-flags, the unsynced sum and HSDP's partial sum, and reads
-    the group's layout, storage and spec through a weak reference (the group
-    holds it; no cycle keeps a model's groups alive)."""
+    """A flat group's gradient path, ``group.grad`` (see the module
+    docstring); its reference to the group is weak: no cycle keeps a model's
+    groups alive."""
 
     def __init__(self, group) -> None:
         self.group = weakref.proxy(group)

@@ -1,13 +1,12 @@
 """One fully_shard unit: its modules, flat groups, hooks, settings and training state.
 
 [Note: who decides] A unit *reports* its hooks' events to the root
-(``RootContext``: ``record_forward``, ``forward_end``, ``on_backward_hook``,
-``pre_backward``, ``grads_computed``, ``grads_ready``); the schedule
-(``RootContext``, ``BackwardSchedule``) *decides* what is gathered, freed and
-reduced, and issues it through ``_group_ops`` (a unit alone is a bucket of
-one). The unit's own acts (``wait_for_unshard``, ``reshard``) act on its own
-groups and never call back into the root; it writes its own fields only, and
-each hook moves its ``TrainingState`` along ``_MOVES`` or raises:
+(``record_forward``, ``forward_end``, ``on_backward_hook``, ``pre_backward``,
+``grads_computed``, ``grads_ready``); the schedule (``RootContext``,
+``BackwardSchedule``) *decides* what is gathered, freed and reduced and issues
+it through ``_group_ops``. The unit's acts (``wait_for_unshard``, ``reshard``)
+touch only its own groups, never calling back into the root; it writes only
+its own fields; each hook moves its ``TrainingState`` along ``_MOVES`` or raises:
 
     pre_forward    all-gathered, full-shape views installed      IDLE -> FORWARD
     post_forward   pre-backward hook on the outputs; the root's
@@ -249,14 +248,12 @@ class Unit:
     def check_params(self, direct: bool = True) -> None:
         """Every parameter is still ours: the module holds its sharded (or
         unsharded) Parameter, and the sharded one's data is still its piece
-        of the shard. At lazy init, and at every forward of the unit (before
-        any collective): a ``p.data = ...`` or a cast / ``to_empty`` of a
-        module *inside* the unit after the first forward would otherwise
-        leave the optimizer stepping a copy that no all-gather reads, a
-        silent loss of training (~0.2 us per parameter). Not ``direct``: skip
-        the groups whose Parameters are autograd's own leaves (world size 1,
-        [Note: world size 1] in _flat_group.py), where a replaced ``.data``
-        trains as in plain PyTorch."""
+        of the shard; else RuntimeError naming the parameter. At lazy init and
+        at every forward of the unit, before any collective (a ``p.data = ...``,
+        cast or ``to_empty`` inside the unit would leave the optimizer stepping
+        a copy no all-gather reads). Not ``direct``: skip the groups whose
+        Parameters are autograd's own leaves ([Note: world size 1] in
+        _flat_group.py), where a replaced ``.data`` trains as in plain PyTorch."""
         for g in self.groups:
             if g.device.type == "meta" or (g.direct and not direct):
                 continue  # (lazy init refuses a forward on meta: _check_not_meta)
@@ -331,14 +328,12 @@ class Unit:
         return _compat.tree_map_tensors(cast, tree)
 
     def _refresh_views(self) -> None:
-        """After ``unshard()``: views need the storage allocated.
-
-        Not for a group whose flat aliases its shard (world size 1, no cast):
-        there, nothing is freed or reduced when its post-backward runs, so a
-        post-backward delayed to the end of backward (see [Note: tensor
-        vocabulary] in _flat_group.py) costs nothing, and the views made once
-        are reused: no split and no views per step.
-        """
+        """After ``unshard()`` (views need the storage), under grad: new views
+        for each trainable group, and for any whose ``requires_grad`` changed.
+        An aliased group (world size 1, no cast) reuses its views: its
+        post-backward, late with an old split node ([Note: tensor vocabulary]
+        in _flat_group.py), frees and reduce-scatters nothing. On gloo each new
+        split node reports to ``_grads_computed``."""
         if torch.is_grad_enabled():
             hook = self.ctx.streams.waits_block_cpu
             for g in self.groups:
