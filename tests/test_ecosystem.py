@@ -19,6 +19,9 @@ for _name in ("accelerate", "transformers"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"needs {_name} (the test extra)", allow_module_level=True)
 
+# every test reads one fixture, the two stacks' runs: minutes on a 2-core machine
+pytestmark = pytest.mark.slow
+
 from . import _ecosystem  # noqa: E402
 
 
