@@ -5,16 +5,35 @@ No torch import here: the orchestrating process stays torch-free, so a rank's
 (the rank's work: read the config, run, write ``result<rank>.json`` into
 ``cfg["tmpdir"]``) and calls :func:`run_ranks` with its module name and the
 modules the fork server should import once.
+
+The rendezvous (a free port, torchrun's variables for each rank, ``env://``)
+is ``fsdp_compose/_launch.py``'s, shared with the tests, tools and the demo;
+this process loads that file by its path (:data:`launcher`), as importing
+``fsdp_compose._launch`` would import torch and the library. The test
+harness (``tests/_dist.py``) takes it from here, for the same reason.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
+
+
+def _load_launch():
+    pkg = importlib.util.find_spec("fsdp_compose")  # found, not imported
+    path = os.path.join(pkg.submodule_search_locations[0], "_launch.py")
+    spec = importlib.util.spec_from_file_location("_fsdp_compose_launch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: ``fsdp_compose/_launch.py`` (free_port, rank_env, init_gloo)
+launcher = _load_launch()
 
 
 class LaunchError(RuntimeError):
@@ -40,24 +59,13 @@ def gloo_rank(cfg_path: str, run, dump_before_timeout: bool = False) -> None:
     if dump_before_timeout:
         import faulthandler
         faulthandler.dump_traceback_later(cfg["timeout"] - 5, exit=False)
-    from datetime import timedelta
-
-    import torch
     import torch.distributed as dist
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg["timeout"]))
+    launcher.init_gloo(rank, world, timeout=cfg["timeout"], threads=cfg["threads"])
     try:
         res = run(cfg, rank, world)
     finally:
         dist.destroy_process_group()
     write_result(cfg, rank, res)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _CONTEXTS: dict = {}
@@ -81,8 +89,7 @@ def rank_main(module: str, rank: int, world: int, port: int, cfg_path: str,
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(launcher.rank_env(rank, world, port))
     try:
         importlib.import_module(module)._worker_entry(cfg_path)
     except BaseException:
@@ -107,7 +114,7 @@ def run_ranks(module: str, preload: list[str], cfg: dict, world: int, timeout: f
         cfg_path = os.path.join(tmp, "cfg.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        port = free_port()
+        port = launcher.free_port()
         logs = [os.path.join(tmp, f"out{r}.txt") for r in range(world)]
         procs = [ctx.Process(target=rank_main, args=(module, r, world, port, cfg_path, logs[r]),
                              daemon=True) for r in range(world)]

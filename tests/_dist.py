@@ -19,8 +19,11 @@ Processes are forked (cheap: torch is already imported in the parent) where
 ``fork`` exists; set ``FSDP_TEST_START_METHOD=spawn`` to use spawn instead (then
 ``fn`` and ``args`` must be picklable, i.e. ``fn`` a module-level function).
 
-Rendezvous is a TCPStore hosted by rank 0 on a port that is free when the call
-starts; a port race (another process binding it first) is retried once.
+Each rank joins the group as a torchrun rank does (``fsdp_compose._launch``,
+shared with the demo, tools and benchmarks): ``env://``, the store hosted by
+rank 0 on a port that is free when the call starts; a port race (another
+process binding it first) is retried once.
+
 Each child runs with one intra-op thread (``torch.set_num_threads(1)``): these
 tests launch several processes on small machines.
 """
@@ -33,7 +36,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -41,8 +43,14 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, NamedTuple, Optional
 
-__all__ = ["DistributedError", "Outcome", "run_distributed", "run_distributed_outcomes",
-           "free_port"]
+# fsdp_compose/_launch.py, loaded by its path: importing fsdp_compose._launch
+# would import the whole library first (the package's __init__), and the
+# harness runs without the library (test_parity's mock mode).
+from benchmarks._launch import launcher
+
+__all__ = ["DistributedError", "Outcome", "run_distributed", "run_distributed_outcomes"]
+
+free_port, init_gloo, rank_env = launcher.free_port, launcher.init_gloo, launcher.rank_env
 
 #: gloo collective / rendezvous timeout inside the children.
 PG_TIMEOUT = timedelta(seconds=60)
@@ -62,13 +70,6 @@ class DistributedError(AssertionError):
         self.exc_type = exc_type
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_atomic(path: str, payload: Any) -> None:
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -80,11 +81,7 @@ def _child(rank: int, world_size: int, port: int, workdir: str, dump_at: float,
            fn: Callable, args: tuple, linger: float = 0.0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-    os.environ["RANK"] = str(rank)
-    os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(rank_env(rank, world_size, port))
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     stack_file = open(os.path.join(workdir, f"rank{rank}.stacks"), "w")
     # A little before the parent gives up, write every thread's stack, so a
@@ -92,17 +89,12 @@ def _child(rank: int, world_size: int, port: int, workdir: str, dump_at: float,
     # (dump_at is wall-clock time: a spawned child starts seconds after the parent.)
     faulthandler.dump_traceback_later(max(0.1, dump_at - time.time()), repeat=False,
                                       file=stack_file, exit=False)
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     payload: Any
     fail_ts = None
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),
-                              timeout=PG_TIMEOUT, wait_for_workers=True)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=PG_TIMEOUT)
+        init_gloo(rank, world_size, timeout=PG_TIMEOUT.total_seconds(), threads=1)
         try:
             out = fn(rank, world_size, *args)
         except BaseException:

@@ -4,18 +4,17 @@ scenarios of one world size in one multi-process launch.
 
 * :class:`Block` / :class:`Net`: a residual MLP block and a stack of them
   between an input and an output layer; a file that needs other widths passes
-  them (or subclasses ``Net`` with its own defaults).
+  them (or subclasses ``Net`` with its own defaults). :class:`Chain` (with
+  the rank-divergent scenarios :data:`SKIPS` / :data:`REGIONS`): blocks whose
+  output some ranks do not use; :class:`Boom`: a backward that raises.
 * :func:`compare_with_reference`: every sharded parameter (and gradient) of
   this rank against the same piece of an unsharded reference, by the
   documented layout rule (``_pieces``).
-* :func:`schedule_text` / :func:`split_schedule` / :func:`net2_backward`: a
-  recorded schedule (``record_schedule``) as text, cut into steps or phases;
-  the backward of a step whose forward is the one several schedule tests
-  share (:data:`NET2_FORWARD`).
+* :func:`schedule_text`: a recorded schedule (``record_schedule``) as text.
 * :class:`StreamDouble` (from ``benchmarks._fake_cuda``) / :func:`recording`:
   a stream runtime for the stream manager that records instead of ordering
   (CUDA's side streams checked on CPU), and the record of every collective
-  issued.
+  issued; :func:`check_stream_protocol`: what is wrong in such a record.
 * :class:`Scenarios`: named scenarios, one launch per world size (cached). A
   scenario that raises on a rank stops that rank's launch at once (no
   barrier, no later collective: a peer waiting in a collective fails as soon
@@ -23,12 +22,19 @@ scenarios of one world size in one multi-process launch.
   and the scenarios after it run again in a new launch, so every test reports
   its own result.
 
+A model that a few files share with its own constants, batches and sharding
+is a module of its own: ``_checkpoint_net`` (test_checkpoint,
+test_checkpoint_safe_load, test_drop_in), ``_tp_net`` (test_tp,
+test_tp_checkpoint), ``_grad_nets`` (test_grad_semantics, test_user_api).
+A test file imports from these and from here, never from another test file.
+
 fsdp_compose is imported inside the functions that need it, so that a file
 testing the harness (test_parity's mock mode) can use this module without it.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import shutil
@@ -49,10 +55,9 @@ from benchmarks._fake_cuda import StreamDouble
 from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
 
-__all__ = ["Block", "Net", "shard", "per_unit_collectives", "compare_with_reference",
-           "compare_step", "raised", "schedule_text", "split_schedule", "NET2_FORWARD",
-           "net2_backward", "StreamDouble", "IssueRecorder", "recording", "Scenarios",
-           "call_by_name"]
+__all__ = ["Block", "Net", "Chain", "SKIPS", "REGIONS", "Boom", "shard", "per_unit_collectives",
+           "compare_with_reference", "compare_step", "raised", "schedule_text", "StreamDouble",
+           "IssueRecorder", "recording", "check_stream_protocol", "Scenarios", "call_by_name"]
 
 
 # ==========================================================================
@@ -119,6 +124,57 @@ def per_unit_collectives(model):
     model.set_all_gather_bucket_bytes(0)
     model.set_reduce_scatter_bucket_bytes(0)
     return model
+
+
+class Boom(torch.autograd.Function):
+    """Identity; its backward raises ``RuntimeError("boom")`` (a backward
+    aborted where the model applies it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+class Chain(nn.Module):
+    """inp, four residual blocks, out. ``skip``: blocks whose output this rank
+    does not use (rank-divergent graphs); ``region``: blocks [a, b) run as one
+    non-reentrant activation-checkpoint region."""
+
+    def __init__(self, n: int = 4, d: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x, skip=(), region=None):
+        h = self.inp(x)
+        i = 0
+        while i < len(self.layers):
+            if region is not None and i == region[0]:
+                blocks = self.layers[region[0]:region[1]]
+                y = checkpoint(lambda t: functools.reduce(lambda a, m: m(a), blocks, t), h,
+                               use_reentrant=False)
+                i = region[1]
+            else:
+                y = self.layers[i](h)
+                i += 1
+            h = h + y.detach() * 0 if (i - 1) in skip else y
+        return self.out(h)
+
+
+# rank-divergent scenarios of Chain: rank -> blocks whose output it does not use,
+# and the checkpoint region of those that have one
+SKIPS = {
+    "unused_middle": {1: {1}, 3: {1}},
+    "unused_last": {1: {3}, 2: {1, 3}},
+    "region_unused": {1: {2}, 3: {2}},
+    "region_all": {},
+}
+REGIONS = {"region_unused": (1, 3), "region_all": (0, 4)}
 
 
 # ==========================================================================
@@ -304,6 +360,46 @@ def recording(rt, *, kinds: Sequence[str] = ("all_gather", "reduce_scatter", "al
 
             stack.enter_context(mock.patch.object(_collectives, kind, issue))
         yield rt
+
+
+def check_stream_protocol(log: list) -> list[str]:
+    """What is wrong in a :func:`recording` log of the side-stream protocol
+    (tests/test_streams.py states it; [Note: side streams] in
+    fsdp_compose/_streams.py): every all-gather issued on stream ``ag``,
+    every reduce-scatter (and its flags' all-reduce) on ``rs``, each after
+    waiting an event just recorded on the compute stream, followed by an
+    event on its stream that the compute stream waits for before any tensor
+    it touches is released. ``[]``: nothing."""
+    bad = []
+    issues = [i for i, e in enumerate(log) if e[0] == "issue"]
+    if not issues:
+        return ["no collective was issued"]
+    for i in issues:
+        _, stream, kind = log[i]
+        want = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce_async": "rs"}[kind]
+        if stream != want:
+            bad.append(f"{kind} issued on {stream}")
+            continue
+        # compute: record E1; side: wait E1; issue; side: record E2
+        rec1, wait1 = log[i - 2], log[i - 1]
+        if not (rec1[:2] == ("record", "compute") and wait1 == ("wait", want, rec1[2])):
+            bad.append(f"{kind} at {i}: inputs not handed over: {log[i - 2:i]}")
+        rec2 = next((e for e in log[i + 1:] if e[0] == "record"), None)
+        if rec2 is None or rec2[1] != want:
+            bad.append(f"{kind} at {i}: no completion event on {want}: {rec2}")
+            continue
+        # the compute stream waits that event, or a later one of the same stream
+        # (an aborted step waits the post-reduce that follows the collective)
+        later = {e[2] for e in log[i + 1:] if e[:2] == ("record", want)}
+        waited = [j for j, e in enumerate(log) if e[:2] == ("wait", "compute") and e[2] in later]
+        if not waited:
+            bad.append(f"{kind} at {i}: the compute stream never waits for it")
+            continue
+        released = [j for j, e in enumerate(log) if e == ("release", i)]
+        if any(j < waited[0] for j in released):
+            bad.append(f"{kind} at {i}: a tensor it touches was released before the compute "
+                       "stream waited for it")
+    return bad
 
 
 # ==========================================================================

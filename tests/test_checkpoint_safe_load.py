@@ -53,8 +53,8 @@ import fsdp_compose
 from fsdp_compose import CheckpointLoadError, get_state_dict, load_checkpoint, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from ._checkpoint_net import Net, make_optim, ours_fresh, shard_ours, train
 from ._dist import run_distributed
-from .test_checkpoint import Net, make_optim, ours_fresh, shard_ours, train
 
 TIMEOUT = 120
 BAD = ["truncated", "flipped", "missing_file", "shape", "dtype", "no_optim"]

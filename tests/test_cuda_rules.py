@@ -43,8 +43,7 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, _collectives, 
 from ._cuda_rules import CudaRules, check_orders
 from ._dist import run_distributed
 from ._pieces import piece_close
-from ._support import Net, Scenarios, per_unit_collectives
-from .test_gpu_path import SKIPS, Chain, _Boom
+from ._support import SKIPS, Boom, Chain, Net, Scenarios, per_unit_collectives
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -166,7 +165,7 @@ class _Raising(Net):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i == 0 and self.boom == "backward":
-                x = _Boom.apply(x)  # (after the reduce-scatters of layers.2 and .1 are issued)
+                x = Boom.apply(x)  # (after the reduce-scatters of layers.2 and .1 are issued)
             if i == 1 and self.boom == "forward":
                 raise RuntimeError("forward raised")
         return self.out(x)

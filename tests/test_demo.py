@@ -27,6 +27,7 @@ def bucketed_calls(steps: int) -> tuple[int, int]:
     return (LAYERS + 1) + 1 + 2 * (steps - 1), steps
 
 
+@pytest.mark.slow
 def test_demo_trains_at_world_size_2():
     cmd = [sys.executable, "-m", "fsdp_compose.cli", "demo", "--world-size", "2", "--no-progress",
            "--steps", str(STEPS), "--layers", str(LAYERS), "--dim", str(DIM), "--seq-len", str(SEQ),
@@ -61,6 +62,7 @@ def test_demo_trains_at_world_size_2():
 TP_STEPS = 40
 
 
+@pytest.mark.slow
 def test_demo_trains_2d_dp2_tp2_at_world_size_4():
     """``--tp 2`` at 4 ranks: blocks tensor-parallel over mesh["tp"], fully_shard over "dp"."""
     cmd = [sys.executable, "-m", "fsdp_compose.cli", "demo", "--world-size", "4", "--tp", "2",

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 import fsdp_compose
 from fsdp_compose import fully_shard
 
+from ._checkpoint_net import V, Net, batch, shard_fsdp2, shard_ours, train
 from ._dist import run_distributed
 from ._support import OptimizerContainer
-from .test_checkpoint import V, Net, batch, shard_fsdp2, shard_ours, train
 
 TIMEOUT = 120
 

@@ -14,10 +14,13 @@ import torch
 
 # Checked without importing them: the test processes are forked from pytest's,
 # and transformers imported here would make every later fork carry (and copy
-# on write) its objects, which test_memory's peak-RSS bound would see.
+# on write) its objects.
 for _name in ("accelerate", "transformers"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"needs {_name} (the test extra)", allow_module_level=True)
+
+# every test reads one fixture, the two stacks' runs: minutes on a 2-core machine
+pytestmark = pytest.mark.slow
 
 from . import _ecosystem  # noqa: E402
 

@@ -25,6 +25,7 @@ def _run(out, *extra, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_dry_run_passes_with_every_key(tmp_path):
     """Every part runs end to end on CPU (small models, the CUDA-job doubles),
     the JSON has the issue's keys and the figures each part promises, and the

@@ -34,7 +34,6 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils.checkpoint import checkpoint
 
 import fsdp_compose._streams as streams_mod
 from benchmarks._fake_cuda import CudaJob
@@ -43,9 +42,8 @@ from fsdp_compose import (CPUOffloadPolicy, clip_grad_norm_, fully_shard, materi
 
 from ._dist import run_distributed
 from ._pieces import piece_close
-from ._support import (Block, IssueRecorder, Net, StreamDouble, per_unit_collectives, recording,
-                       shard)
-from .test_streams import _check_protocol
+from ._support import (REGIONS, SKIPS, Block, Boom, Chain, IssueRecorder, Net, StreamDouble,
+                       check_stream_protocol, per_unit_collectives, recording, shard)
 
 # what torch says here when asked to allocate on CUDA: a CPU-only build, or a
 # CUDA build on a machine without a GPU (its driver is missing)
@@ -162,7 +160,7 @@ def _paramless_root(rank, world):
     close = all(piece_close(p.grad, q.grad, param_info(p).local_range, atol=1e-6)
                 for p, q in zip(model.parameters(), ref.parameters()))
     return {"kinds": sorted({(k, s) for k, s, _, _ in rt.issues}), "close": close,
-            "protocol": _check_protocol(rt.log)}
+            "protocol": check_stream_protocol(rt.log)}
 
 
 def test_root_without_parameters_uses_side_streams():
@@ -285,16 +283,6 @@ def test_offload_gradient_copies_are_nonblocking(world, variant):
 
 
 # ======================================================== 4. aborted backward
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("boom")
-
-
 class _Exploding(Net):
     boom = False
 
@@ -303,7 +291,7 @@ class _Exploding(Net):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i == 0 and self.boom:
-                x = _Boom.apply(x)  # raises after layers.1's reduce-scatter was launched
+                x = Boom.apply(x)  # raises after layers.1's reduce-scatter was launched
         return self.out(x)
 
 
@@ -324,7 +312,7 @@ def _aborted(rank, world):
                 model(x).sum().backward()
             except RuntimeError as e:
                 raised.append(str(e))
-    return {"raised": raised, "protocol": _check_protocol(rt.log)}
+    return {"raised": raised, "protocol": check_stream_protocol(rt.log)}
 
 
 def test_aborted_backward_waits_for_its_reduce_scatters():
@@ -356,41 +344,6 @@ def _default_path_issues(rank, world):
 
 
 # ================================ 5. one collective order across communicators
-class Chain(nn.Module):
-    """inp, four residual blocks, out. ``skip``: blocks whose output this rank
-    does not use (rank-divergent graphs); ``region``: blocks [a, b) run as one
-    non-reentrant activation-checkpoint region."""
-
-    def __init__(self, n: int = 4, d: int = 6):
-        super().__init__()
-        self.inp = nn.Linear(3, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
-        self.out = nn.Linear(d, 1)
-
-    def forward(self, x, skip=(), region=None):
-        h = self.inp(x)
-        i = 0
-        while i < len(self.layers):
-            if region is not None and i == region[0]:
-                blocks = self.layers[region[0]:region[1]]
-                y = checkpoint(lambda t: functools.reduce(lambda a, m: m(a), blocks, t), h,
-                               use_reentrant=False)
-                i = region[1]
-            else:
-                y = self.layers[i](h)
-                i += 1
-            h = h + y.detach() * 0 if (i - 1) in skip else y
-        return self.out(h)
-
-
-# rank -> blocks whose output it does not use
-SKIPS = {
-    "unused_middle": {1: {1}, 3: {1}},
-    "unused_last": {1: {3}, 2: {1, 3}},
-    "region_unused": {1: {2}, 3: {2}},
-    "region_all": {},
-}
-REGIONS = {"region_unused": (1, 3), "region_all": (0, 4)}
 
 
 def _issue_order(rank, world, scenario, depth, per_unit):

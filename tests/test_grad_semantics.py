@@ -33,29 +33,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path, fully_shard
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path
 
-from ._support import Scenarios, compare_step, compare_with_reference, per_unit_collectives
+from ._grad_nets import D, Blk, FreezeNet, adamw, batch, shard_units
+from ._support import Scenarios, compare_step, compare_with_reference
 
-D = 6
 STEPS = 4
-
-
-class Blk(nn.Module):
-    """``scalar``: with a 0-dim parameter, which keeps the unit on the flat
-    path at world size 1 (a 0-dim parameter's shard stays 1-D)."""
-
-    def __init__(self, scalar=False):
-        super().__init__()
-        self.l1 = nn.Linear(D, D)
-        self.l2 = nn.Linear(D, D)
-        self.s = nn.Parameter(torch.tensor(0.9)) if scalar else None
-
-    def forward(self, x, use_l2=True):
-        h = torch.tanh(self.l1(x))
-        z = self.l2(h)  # computed either way
-        y = x + (z if use_l2 else h)
-        return y * self.s if self.s is not None else y
 
 
 class UnusedNet(nn.Module):
@@ -86,25 +69,6 @@ class UnusedNet(nn.Module):
         if step % 2 == 1:
             h = self.d(h)
         return self.out(h)
-
-
-def shard_units(model, units, per_unit, **kw):
-    for u in units:
-        fully_shard(u, **kw)
-    fully_shard(model, **kw)
-    if per_unit:
-        per_unit_collectives(model)
-    return model
-
-
-def adamw(params):
-    # weight decay and momentum: a zero gradient moves a parameter, None does not
-    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
-
-
-def batch(step, rank, micro=0, rows=4, din=3):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return torch.randn(rows, din, generator=g), torch.randn(rows, 1, generator=g)
 
 
 # ------------------------------------------------ 1. no gradient on any rank
@@ -143,21 +107,6 @@ def unused_vs_ddp(rank, world, mode="none", per_unit=False, flat_at_1=False, mes
 
 
 # ------------------------------------------------------ 2. freezing after sharding
-class FreezeNet(nn.Module):
-    def __init__(self, scalar=False):
-        super().__init__()
-        self.inp = nn.Linear(3, D)
-        self.layers = nn.ModuleList([Blk(scalar) for _ in range(3)])
-        self.out = nn.Linear(D, 1)
-
-    def forward(self, x, skip=()):
-        h = self.inp(x)
-        for i, layer in enumerate(self.layers):
-            if i not in skip:
-                h = layer(h)
-        return self.out(h)
-
-
 def global_step(model, ref, step, rank, world, micro=0, fwd=None):
     """Our loss on this rank's batch; the reference's on every rank's (each
     with its rank's control flow), averaged."""

@@ -9,11 +9,14 @@ granularity); the chunk size stays near ``total / W``.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import random
+from unittest import mock
 
 import pytest
 
+from fsdp_compose import _layout
 from fsdp_compose._layout import Layout, Piece, Slot, plan
 
 
@@ -183,13 +186,12 @@ def test_random_groups(granularity):
 
 def test_large_odd_rows_plan_quickly():
     # a 768 x 50257 matrix spans several chunks over 8 ranks, so the chunk is a
-    # multiple of 50257: the search jumps there instead of stepping by 4
-    # (12,000 fills of 200 parameters: seconds)
-    import time
+    # multiple of 50257: after _LINEAR_TRIES fills stepping by 4 the search
+    # jumps there (stepping by 4 all the way: 12,000 fills of 200 parameters)
     slots = [Slot(768, 50257)] + [Slot(768, 1)] * 200
-    t0 = time.perf_counter()
-    lay = plan(slots, 8, 4)
-    assert time.perf_counter() - t0 < 1.0
+    with mock.patch.object(_layout, "_fill", wraps=_layout._fill) as fill:
+        lay = plan(slots, 8, 4)
+    assert fill.call_count <= _layout._LINEAR_TRIES + 1, fill.call_count
     _check(lay, 4)
     assert lay.chunk % 50257 == 0
 
@@ -318,9 +320,15 @@ def test_random_groups_with_loads():
 
 
 def test_plans_a_70b_block_at_4096_ranks_quickly():
-    import time
+    """Counted, not timed: equal chunks are ruled out before any fill (the
+    largest matrices would each hold whole chunks, whose size must then be a
+    multiple of their rows, past the padding limit), and each of the W - 1
+    boundaries of the uneven pieces is one binary search over the
+    parameters."""
     W = 4096
-    t0 = time.perf_counter()
-    lay = plan(_llama_block(8192), W, 4, before=list(range(W)))
-    assert time.perf_counter() - t0 < 1.0
+    with mock.patch.object(_layout, "_fill", wraps=_layout._fill) as fill, \
+            mock.patch.object(bisect, "bisect_right", wraps=bisect.bisect_right) as search:
+        lay = plan(_llama_block(8192), W, 4, before=list(range(W)))
+    assert fill.call_count == 0, fill.call_count
+    assert search.call_count == W - 1, search.call_count
     assert not lay.even

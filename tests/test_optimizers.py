@@ -1,6 +1,7 @@
-"""No optimizer is silently wrong on sharded parameters, and torch's
-clip_grad_norm_ gives the global norm (see [Note: optimizers on sharded
-parameters] and [Note: torch.nn.utils.clip_grad_norm_] in _torch_hooks.py).
+"""No optimizer is silently wrong on sharded parameters, torch's
+clip_grad_norm_ gives the global norm, and loss scaling skips the same steps
+on every rank (see [Note: optimizers on sharded parameters], [Note:
+torch.nn.utils.clip_grad_norm_] and [Note: loss scaling] in _torch_hooks.py).
 
 Each world size runs ONE multi-process launch; the ranks return what every
 case did, and the tests assert on it (on every rank: a check that raised on
@@ -13,12 +14,14 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import fsdp_compose
 from fsdp_compose import fully_shard
 
 from . import _support
-from ._support import shard
+from ._support import compare_with_reference, shard, sharded_range
 from ._dist import run_distributed
 
 ELEMENTWISE = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
@@ -182,3 +185,187 @@ def test_torch_clip_grad_norm_is_global(world, max_norm):
             assert stale == "no error"
         else:
             assert "reference taken before the first fully_shard" in stale, stale
+
+
+# ------------------------------------------------------------------ loss scaling
+# ``p.grad`` of a sharded parameter is this rank's rows of the averaged
+# gradient, so an inf in the gradient lands on the rank that holds its row
+# only. torch's ShardedGradScaler all-reduces its found-inf flag: every rank
+# skips the same steps, as the reference (one process, the unsharded model,
+# torch.amp.GradScaler on the global batch) does. fsdp_compose makes
+# torch.amp.GradScaler on sharded parameters an error on every rank that
+# names ShardedGradScaler ([Note: loss scaling] in _torch_hooks.py); the step
+# check catches the divergence that GradScaler without that guard causes.
+# One step poisons one element of one gradient (the last element of
+# ``layers.1.lin2.weight``, through an autograd Function that writes inf into
+# its gradient), the same in every rank and in the reference. Parameters are
+# fp32 (the scaler's decisions do not depend on the dtype; scales are powers
+# of two).
+SCALER_STEPS = 5
+INF_STEP = 2
+SCALER_ROWS = 4  # rows of the batch per rank
+SCALER = dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+POISONED = "layers.1.lin2.weight"
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """Identity forward; backward writes inf into the last element of the
+    gradient (of the full-shape weight, before any reduction)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g.view(-1)[-1] = float("inf")
+        return g
+
+
+class PoisonableLinear(nn.Linear):
+    poison = False  # set on the instance for the step that overflows
+
+    def forward(self, x):
+        w = _PoisonGrad.apply(self.weight) if self.poison else self.weight
+        return F.linear(x, w, self.bias)
+
+
+class PoisonNet(Net):
+    """``Net``, whose ``layers.1.lin2`` can poison its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        old = self.layers[1].lin2
+        new = PoisonableLinear(old.in_features, old.out_features)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+        self.layers[1].lin2 = new
+
+
+def _scaler(kind: str):
+    if kind == "sharded":
+        return ShardedGradScaler("cpu", **SCALER)
+    if kind == "unguarded":  # torch's own unscale_, without fsdp_compose's guard
+        base = torch.amp.GradScaler
+        unguarded = type("Unguarded", (base,),
+                         {"unscale_": getattr(base.unscale_, "__wrapped__", base.unscale_)})
+        return unguarded("cpu", **SCALER)
+    return torch.amp.GradScaler("cpu", **SCALER)
+
+
+def _scaled_run(rank: int, world: int, kind: str) -> dict:
+    """SCALER_STEPS steps of the sharded model with scaler ``kind``
+    ("sharded", "unguarded" or "plain") and of the reference; per step what
+    this rank measured."""
+    torch.manual_seed(0)
+    model = PoisonNet()
+    ref = copy.deepcopy(model)
+    shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = _scaler(kind), torch.amp.GradScaler("cpu", **SCALER)
+    steps_taken = [0, 0]
+    opt.register_step_post_hook(lambda *a: steps_taken.__setitem__(0, steps_taken[0] + 1))
+    ref_opt.register_step_post_hook(lambda *a: steps_taken.__setitem__(1, steps_taken[1] + 1))
+
+    poisoned = dict(model.named_parameters())[POISONED]
+    a, b = sharded_range(poisoned)
+    n = dict(ref.named_parameters())[POISONED].numel()
+    out = {"holds_poisoned": a <= n - 1 < b, "steps": []}
+    for step in range(SCALER_STEPS):
+        for m in (model, ref):
+            m.layers[1].lin2.poison = step == INF_STEP
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(world, SCALER_ROWS, 3, generator=g)
+        y = torch.randn(world, SCALER_ROWS, 1, generator=g)
+        scaler.scale((model(x[rank]) - y[rank]).pow(2).mean()).backward()
+        ref_scaler.scale((ref(x.reshape(-1, 3)) - y.reshape(-1, 1)).pow(2).mean()).backward()
+
+        scaler.unscale_(opt)
+        ref_scaler.unscale_(ref_opt)
+        local_inf = any(p.grad is not None and not torch.isfinite(p.grad).all()
+                        for p in model.parameters())
+        problems = compare_with_reference(model, ref, f"step {step}", params=False)
+        before = steps_taken[:]
+        scaler.step(opt)
+        ref_scaler.step(ref_opt)
+        scaler.update()
+        ref_scaler.update()
+        problems += compare_with_reference(model, ref, f"step {step}", grads=False)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["steps"].append({
+            "local_inf": local_inf,
+            "stepped": steps_taken[0] > before[0],
+            "ref_stepped": steps_taken[1] > before[1],
+            "scale": scaler.get_scale(),
+            "ref_scale": ref_scaler.get_scale(),
+            "problems": problems,
+        })
+    return out
+
+
+def _scalers(rank: int, world: int) -> dict:
+    from fsdp_compose import DivergenceError
+    out = {"sharded": _scaled_run(rank, world, "sharded")}
+    try:
+        _scaled_run(rank, world, "plain")
+        out["plain"] = None
+    except RuntimeError as e:
+        out["plain"] = str(e)
+    try:  # last: a DivergenceError stops this process group's models
+        _scaled_run(rank, world, "unguarded")
+        out["checked"] = None
+    except DivergenceError as e:
+        out["checked"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def scaled(request):
+    return request.param, run_distributed(_scalers, request.param)
+
+
+def test_sharded_grad_scaler_matches_the_reference_on_every_rank(scaled):
+    world, results = scaled
+    # the reference skips the inf step and backs off (growth_interval 2: grows
+    # after steps 0-1, backs off at 2, grows after 3-4): what every rank must do
+    ref = results[0]["sharded"]["steps"]
+    assert [s["ref_stepped"] for s in ref] == [i != INF_STEP for i in range(SCALER_STEPS)]
+    assert [s["ref_scale"] for s in ref] == [2.0 ** 16, 2.0 ** 17, 2.0 ** 16, 2.0 ** 16, 2.0 ** 17]
+    holders = [r for r in range(world) if results[r]["sharded"]["holds_poisoned"]]
+    assert len(holders) == 1, holders  # the rank holding the poisoned element
+    for rank, r in enumerate(results):
+        steps = r["sharded"]["steps"]
+        # only the holder's shard has the inf, yet every rank skips that step
+        assert [s["local_inf"] for s in steps] == \
+            [rank == holders[0] and i == INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps], (rank, steps)
+        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
+        problems = [p for s in steps for p in s["problems"]]
+        assert not problems, (world, rank, problems[:12])
+
+
+def test_the_step_check_stops_the_unguarded_divergence_on_every_rank(scaled):
+    """torch.amp.GradScaler without the guard: the rank holding the inf
+    alone skips the step. With the step check (the default), that rank meets
+    the others at the next forward's check with one optimizer step less:
+    every rank raises instead of training on differently."""
+    world, results = scaled
+    for rank, r in enumerate(results):
+        assert r["checked"] is not None and "optimizer steps so far" in r["checked"], \
+            (rank, r["checked"])
+
+
+def test_plain_grad_scaler_on_sharded_parameters_raises_on_every_rank(scaled):
+    """The guard: every rank raises at the first unscale_ (before any step),
+    naming a split parameter and the fix."""
+    world, results = scaled
+    for rank, r in enumerate(results):
+        msg = r["plain"]
+        assert msg is not None, (rank, "no error")
+        for want in (f"[rank {rank}]", "GradScaler on sharded parameters", "split over ranks",
+                     "ShardedGradScaler"):
+            assert want in msg, (rank, want, msg)

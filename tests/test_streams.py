@@ -32,11 +32,11 @@ from fsdp_compose import _grad_path, fully_shard, param_info
 from ._pieces import piece_close
 
 from ._dist import run_distributed
-from ._support import StreamDouble, recording
-from .test_api import Net, per_unit_collectives
+from ._support import (Net, StreamDouble, check_stream_protocol, per_unit_collectives,
+                       recording)
 
 
-# the collectives the stream manager issues in training, each checked by _check_protocol
+# the collectives the stream manager issues in training, each checked by check_stream_protocol
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce_async")
 
 
@@ -94,39 +94,6 @@ def _both(rank, world, per_unit):
     return _train(False, per_unit), _train(True, per_unit)
 
 
-def _check_protocol(log: list) -> list[str]:
-    bad = []
-    issues = [i for i, e in enumerate(log) if e[0] == "issue"]
-    if not issues:
-        return ["no collective was issued"]
-    for i in issues:
-        _, stream, kind = log[i]
-        want = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce_async": "rs"}[kind]
-        if stream != want:
-            bad.append(f"{kind} issued on {stream}")
-            continue
-        # compute: record E1; side: wait E1; issue; side: record E2
-        rec1, wait1 = log[i - 2], log[i - 1]
-        if not (rec1[:2] == ("record", "compute") and wait1 == ("wait", want, rec1[2])):
-            bad.append(f"{kind} at {i}: inputs not handed over: {log[i - 2:i]}")
-        rec2 = next((e for e in log[i + 1:] if e[0] == "record"), None)
-        if rec2 is None or rec2[1] != want:
-            bad.append(f"{kind} at {i}: no completion event on {want}: {rec2}")
-            continue
-        # the compute stream waits that event, or a later one of the same stream
-        # (an aborted step waits the post-reduce that follows the collective)
-        later = {e[2] for e in log[i + 1:] if e[:2] == ("record", want)}
-        waited = [j for j, e in enumerate(log) if e[:2] == ("wait", "compute") and e[2] in later]
-        if not waited:
-            bad.append(f"{kind} at {i}: the compute stream never waits for it")
-            continue
-        released = [j for j, e in enumerate(log) if e == ("release", i)]
-        if any(j < waited[0] for j in released):
-            bad.append(f"{kind} at {i}: a tensor it touches was released before the compute "
-                       "stream waited for it")
-    return bad
-
-
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("per_unit", [False, True], ids=["bucketed", "per_unit"])
 def test_side_stream_protocol(world, per_unit):
@@ -135,7 +102,7 @@ def test_side_stream_protocol(world, per_unit):
         assert streams["manager"].endswith("mode=side-streams)")
         assert default["ref_close"] and streams["ref_close"]
         assert all(torch.equal(a, b) for a, b in zip(default["params"], streams["params"]))
-        assert _check_protocol(streams["log"]) == []
+        assert check_stream_protocol(streams["log"]) == []
         kinds = {e[2] for e in streams["log"] if e[0] == "issue"}
         # per unit, the used-flags go in an all-reduce of their own (forced:
         # these flat gradients are small enough to carry them inline)
@@ -148,9 +115,9 @@ def test_protocol_check_can_fail():
     and an early release."""
     ok = [("record", "compute", 0), ("wait", "ag", 0), ("issue", "ag", "all_gather"),
           ("record", "ag", 1), ("wait", "compute", 1), ("release", 2)]
-    assert _check_protocol(ok) == []
-    assert _check_protocol([e if e[0] != "issue" else ("issue", "compute", "all_gather")
-                            for e in ok])
-    assert _check_protocol([("record", "compute", 0)] + ok[2:])
-    assert _check_protocol(ok[:4] + [("release", 2), ("wait", "compute", 1)])
-    assert _check_protocol(ok[:4])
+    assert check_stream_protocol(ok) == []
+    assert check_stream_protocol([e if e[0] != "issue" else ("issue", "compute", "all_gather")
+                                  for e in ok])
+    assert check_stream_protocol([("record", "compute", 0)] + ok[2:])
+    assert check_stream_protocol(ok[:4] + [("release", 2), ("wait", "compute", 1)])
+    assert check_stream_protocol(ok[:4])

@@ -15,102 +15,18 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import Shard
 
-from fsdp_compose import fully_shard, param_info
+from fsdp_compose import param_info
 from fsdp_compose._registry import SHARDED as _SHARDED
 
 from ._pieces import local_piece
 from ._support import Scenarios, compare_step
+from ._tp_net import BATCH, IN, OUT, T, Net, parallelize
 
-D, HEAD, T, IN, OUT = 8, 2, 4, 4, 2
-BATCH = 4   # global, split over dp
 STEPS = 3
 MAX_NORM = 0.1
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.v, self.o = (nn.Linear(D, D) for _ in range(3))
-        # no key bias: its true gradient is 0 (softmax ignores a shift shared by
-        # all keys), and AdamW would blow rounding noise up to full-size steps
-        self.k = nn.Linear(D, D, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (f(x) for f in (self.q, self.k, self.v))
-        heads = q.shape[-1] // HEAD  # local heads under TP
-        q, k, v = (y.view(b, t, heads, HEAD).transpose(1, 2) for y in (q, k, v))
-        y = torch.softmax(q @ k.transpose(-1, -2) / HEAD ** 0.5, dim=-1) @ v
-        return self.o(y.transpose(1, 2).reshape(b, t, heads * HEAD))
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, x):
-        return self.w2(torch.relu(self.w1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(D), Attention()
-        self.norm2, self.mlp = nn.LayerNorm(D), MLP()
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(IN, D)
-        self.layers = nn.ModuleList([Block() for _ in range(2)])
-        self.norm = nn.LayerNorm(D)
-        self.out = nn.Linear(D, OUT)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(self.norm(x))
-
-
-def _tp_plan(sequence_parallel: bool) -> dict:
-    if not sequence_parallel:
-        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-                "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
-                "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel()}
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"norm1": SequenceParallel(), "attn": gather,
-            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
-            "norm2": SequenceParallel(), "mlp": gather,
-            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=Shard(1))}
-
-
-def _parallelize(model: Net, mesh, sequence_parallel: bool) -> None:
-    tp = mesh["tp"]
-    for layer in model.layers:
-        parallelize_module(layer, tp, _tp_plan(sequence_parallel))
-    if sequence_parallel:
-        parallelize_module(model, tp, {
-            "inp": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
 
 
 def _ref_piece(ref_t: torch.Tensor, info, tp_rank: int, tp: int, dp: int) -> torch.Tensor:
@@ -129,7 +45,7 @@ def _train(rank, world, dp, tp, sequence_parallel):
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    _parallelize(model, mesh, sequence_parallel)
+    parallelize(model, mesh, sequence_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     problems = []

@@ -1,7 +1,7 @@
 """Checkpoints of 2-D (dp, tp) models (issue 7).
 
-The (dp=2, tp=2) model of ``test_tp`` (Colwise/Rowwise attention and MLP,
-plain norms in the same units) trains 2 steps and saves model + AdamW state
+The (dp=2, tp=2) model of ``test_tp`` (tests/_tp_net.py: Colwise/Rowwise
+attention and MLP, plain norms in the same units) trains 2 steps and saves model + AdamW state
 with DCP. The checkpoint then goes (a) offline into a plain module / plain
 tensors (``dcp_to_torch_save``), compared with a single process trained the
 same 2 steps; (b) into a 1-D model (dp=4), (c) into other layouts (dp=1,
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_compose import fully_shard, get_state_dict, set_state_dict
 
 from ._dist import run_distributed
-from .test_tp import BATCH, IN, OUT, T, Net, _parallelize
+from ._tp_net import BATCH, IN, OUT, T, Net, parallelize
 
 SAVED_AT, STEPS = 2, 4
 LR, WD = 1e-2, 0.1
@@ -84,7 +84,7 @@ def _model(dp: int, tp: int | None, seed: int):
         fully_shard(model, mesh=mesh)
         return model, _optim(model), mesh.get_local_rank()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    _parallelize(model, mesh, False)
+    parallelize(model, mesh, False)
     return model, _optim(model), mesh["dp"].get_local_rank()
 
 

@@ -21,8 +21,8 @@ from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm
 from fsdp_compose import _layout
 
 from ._dist import run_distributed
+from ._grad_nets import FreezeNet, adamw, batch, shard_units
 from ._support import compare_step, raised
-from .test_grad_semantics import FreezeNet, adamw, batch, shard_units
 
 
 # ------------------------------------------------------------ 9. memory release

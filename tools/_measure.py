@@ -14,7 +14,6 @@ figures:
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 
@@ -178,21 +177,15 @@ def measure_rank(rank: int, world: int, cfg) -> dict:
 
 
 # ------------------------------------------------------------------ launch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, fn, args: tuple, path: str) -> None:
     import pickle
     import traceback
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
+
     import torch.distributed as dist
-    torch.set_num_threads(1)
+
+    from fsdp_compose._launch import init_gloo
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_gloo(rank, world, port, threads=1)
         try:
             res = ("ok", fn(rank, world, *args))
         finally:
@@ -208,10 +201,12 @@ def launch(cfg, world: int, fn=measure_rank, args: tuple = (), timeout: float = 
     ``world`` fresh gloo CPU processes; every rank's result, in rank order."""
     import multiprocessing as mp
     import pickle
+
+    from fsdp_compose._launch import free_port
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fsdp_compose_tools_") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, fn, (cfg, *args), paths[r]),
                              daemon=True) for r in range(world)]
         for p in procs:

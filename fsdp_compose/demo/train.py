@@ -19,7 +19,6 @@ import dataclasses
 import math
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -32,6 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 import fsdp_compose
+from fsdp_compose._launch import free_port, init_gloo
 from fsdp_compose.demo.data import BatchSampler, CharTokenizer, load_text
 from fsdp_compose.demo.model import ModelArgs, Transformer
 
@@ -97,22 +97,14 @@ def run(args: argparse.Namespace | None = None, **overrides) -> dict | None:
         return _torchrun_main(args)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.spawn(_spawned_main, args=(args, _free_port(), results), nprocs=args.world_size, join=True)
+    mp.spawn(_spawned_main, args=(args, free_port(), results), nprocs=args.world_size, join=True)
     return results.get()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawned_main(rank: int, args: argparse.Namespace, port: int, results) -> None:
     # One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (as torchrun does):
     # a tiny model gains little from more, and busy cores make spinning threads crawl.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=args.world_size)
+    init_gloo(rank, args.world_size, port, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         summary = train(args, torch.device("cpu"))
         if rank == 0:
