@@ -37,7 +37,7 @@ norm, ``clip_grads_with_norm_`` (a local scaling) is right as it is.
 rank holds. On sharded parameters that is this rank's rows: an overflow in
 one rank's rows makes that rank alone skip ``optimizer.step()`` and back off
 its scale, while the others step; the ranks then train differently, without
-an error (tests/test_grad_scaler.py measures it). torch's
+an error (docs/design.md, "Loss scaling"). torch's
 ``ShardedGradScaler`` all-reduces that check. So at the first ``fully_shard``
 ``GradScaler.unscale_`` (which ``step`` calls too) gets a guard: for an
 enabled scaler whose optimizer holds a parameter split over ranks, it raises
