@@ -213,12 +213,13 @@ class FlatGroup:
     @property
     def direct(self) -> bool:
         """The sharded Parameters are autograd's own leaves (``FlatMode.DIRECT``)."""
-        return self.mode is FlatMode.DIRECT
+        return self.spec.mode is FlatMode.DIRECT
 
     @property
     def aliased(self) -> bool:
         """The flat is the shard, never freed (``FlatMode.ALIASED`` or ``DIRECT``)."""
-        return self.mode is FlatMode.ALIASED or self.mode is FlatMode.DIRECT
+        mode = self.spec.mode
+        return mode is FlatMode.ALIASED or mode is FlatMode.DIRECT
 
     # ------------------------------------------------------------- storage
     def _new_shard(self, device: torch.device) -> None:

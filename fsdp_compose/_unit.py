@@ -202,7 +202,8 @@ class Unit:
 
     def _enter(self, state: TrainingState, where: str) -> None:
         """The state machine: every hook moves the unit along ``_MOVES`` or raises."""
-        self._assert_state(*_MOVES[state], where=where)
+        if self.state not in _MOVES[state]:
+            self._assert_state(*_MOVES[state], where=where)  # (raises)
         self.state = state
 
     # ----------------------------------------------------------- unshard/reshard
