@@ -152,11 +152,11 @@ class RootContext:
                 trace("all_gather", v.fqn, "bucketed")
             with label("all_gather", unit.fqn):
                 _group_ops.all_gather(units, self.streams, bucket=True)
-        elif unit.would_gather():
+        else:  # (a bucket of one; it may install a copy, or nothing, without a collective)
+            issues = unit.would_gather()
             _group_ops.all_gather(units, self.streams, bucket=False)
-            trace("all_gather", unit.fqn, unit.state.name)
-        else:
-            _group_ops.all_gather(units, self.streams, bucket=False)  # (installs a copy, or nothing)
+            if issues:
+                trace("all_gather", unit.fqn, unit.state.name)
         if why is Gather.FORWARD or why is Gather.SKIPPED:
             self.prefetch_forward(unit)
 

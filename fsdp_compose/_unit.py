@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from ._state import RootContext
 
 _REDUCE_FIELDS = {f.name for f in fields(ReduceSettings)}
+# where a backward hook may find the unit (not inside its own forward)
+_IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 # the states each state is entered from (Unit._enter); the root's reset moves
 # any state to IDLE (finish_backward)
 _MOVES = {
@@ -352,6 +354,7 @@ class Unit:
     def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
         """``group``'s split node is about to assemble its flat gradient (gloo):
         see [Note: gloo backward] in _backward_schedule.py."""
+        self._assert_state(*_IN_BACKWARD, where="grads_computed")
         self.ctx.grads_computed(self, group)
 
     def post_forward(self, module: nn.Module, args, output):
@@ -418,6 +421,7 @@ class Unit:
     @_compat.outside_functorch
     def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
         with label("post_backward", self.fqn):
+            self._assert_state(*_IN_BACKWARD, where="post_backward")
             ctx = self.root_context()
             ctx.on_backward_hook(grad_arrived=True)
             self._ready.add(group)
