@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
-from ._common import Gather, Kept, RootSettings, TrainingState, root_setting_fix, unit_error
+from ._common import Gather, Kept, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
 from ._unit import Unit
@@ -43,18 +43,19 @@ class FSDPModule(_TorchFSDPModule):
         found = (unit_of(m) for m in (self.modules() if recurse else [self]))
         return list(dict.fromkeys(u for u in found if u is not None))
 
-    def _root_setting(self, where: str, **changes) -> RootSettings:
-        """Where a root-only setting (``where``) is stored: this unit's, which
-        must be the root. Known only after lazy init: a setting called earlier on
-        a unit that does not become the root is an error at the first forward
-        (``_state._check_root_settings``), never silently ignored."""
+    def _root_setting(self, where: str, **changes) -> None:
+        """Apply a root-only setter (``where``) with ``changes`` to this unit's
+        model settings; this unit must be the root. Known only after lazy
+        init: a setter called earlier on a unit that does not become the root
+        is an error at the first forward (``_state._check_root_settings``),
+        never silently ignored."""
         unit = self._unit()
         if unit.ctx is not None and not unit.is_root:
             raise unit_error(unit.fqn, f"{where}() is a setting of the whole model, read on "
                              f"the root unit '{unit.ctx.root.fqn or '<root>'}' only; this "
                              "unit is not the root.", root_setting_fix(where),
                              exc=ValueError)
-        return unit.update_root_settings(where, **changes)
+        unit.update_root_settings(where, **changes)
 
     def _apply(self, fn, recurse: bool = True):
         """``to`` / ``cuda`` / ``cpu`` / ``half`` / ``float`` / ``double`` /

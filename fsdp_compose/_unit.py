@@ -140,13 +140,12 @@ class Unit:
                 g.grad.settings = settings.reduce
         self.settings = settings
 
-    def update_root_settings(self, where: str, **changes) -> RootSettings:
+    def update_root_settings(self, where: str, **changes) -> None:
         """The one way the model's settings change: a root setter (``where``)
         called on this unit (FSDPModule._root_setting checks it is the root,
         where that is known)."""
         settings = self.root_settings or RootSettings()
         self.root_settings = replace(settings, called=settings.called | {where}, **changes)
-        return self.root_settings
 
     @property
     def reshard_after_forward(self) -> bool:
