@@ -337,10 +337,6 @@ _FIX = ("Every rank must run the same forwards and backwards of the model betwee
 # ---------------------------------------------------------------------------
 # The checks (1. and 2. in the Note)
 # ---------------------------------------------------------------------------
-def _crc(text: str) -> str:
-    return f"{zlib.crc32(text.encode()):08x}"
-
-
 def _forget(written: list[str]) -> None:
     """A root was freed: delete the store keys this rank wrote for it (see
     [Note: divergence records are per root])."""
