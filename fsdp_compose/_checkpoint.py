@@ -338,7 +338,7 @@ def _gather(g, local: torch.Tensor) -> torch.Tensor:
         return local
     src = local if local.device == g.device else local.to(g.device)
     out = torch.empty(g.padded_numel, dtype=src.dtype, device=g.device)
-    _collectives.all_gather(out, src, g.pg, bounds=g.gather_bounds).wait()
+    _collectives.all_gather(out, src, g.pg, bounds=g.gather_bounds, padded=g.padded()).wait()
     return out
 
 

@@ -23,10 +23,27 @@ gloo we issue what they are made of, in place on our own buffers:
   no one else's: it is fully_shard's own (_fully_shard._reduce_scatter_group).
 NCCL keeps its reduce-scatter and all-gather. Measurements: docs/design.md,
 "Choosing the collective (gloo)" and "Peak RSS of small units".
+
+[Note: padded collectives]
+Uneven pieces ([Note: shard layout] in _layout.py) on every backend but gloo
+go through ONE equal-size collective, never torch's list forms (which NCCL
+runs as one broadcast or reduce per rank): every rank's piece is padded to
+the largest, ``slot`` elements, in a *staging* buffer of ``W·slot``, rank-major.
+The copies between the flat (pieces end to end) and the staging are one
+``index_select`` / ``index_copy_`` each, over blocks of ``U`` elements (``U``
+divides every boundary, the slot and the staging's row), with the block
+indices made once per layout (``_staging_index``); the padding is zeroed, so
+a collective never reads memory nobody wrote. All-gather: this rank's piece
+is copied into its row, gathered, copied out into the flat. Reduce-scatter:
+the flat gradient is copied into the staging, reduced, and this rank's row's
+first ``piece`` elements are the result. Cost: the staging (one group's size)
+and one copy of the group each way; equal chunks stay zero-copy.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -150,24 +167,148 @@ def _uneven_in_place(group, t: torch.Tensor) -> tuple[int, int] | None:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+# A test seam: groups built while it is True take the padded path on gloo too
+# (the collectives and copies NCCL runs, with real data: tests/test_parity.py).
+PAD_UNEVEN_ON_GLOO = False
+
+
+def pads(group, device: torch.device) -> bool:
+    """Uneven pieces over ``group`` for tensors on ``device`` go through the
+    padded equal-size collective ([Note: padded collectives]); False: gloo's
+    in-place path."""
+    return PAD_UNEVEN_ON_GLOO or dist.get_backend(group) != "gloo"
+
+
+@functools.lru_cache(maxsize=256)
+def _staging_blocks(bounds: tuple, slot: int, row: int, at: int) -> tuple[int, tuple, tuple]:
+    """(U, flat blocks' staging blocks, the staging's padding blocks) for
+    pieces ``bounds`` padded to ``slot`` in rows of ``row`` elements starting
+    at column ``at`` (see the Note); blocks of ``U`` elements."""
+    W = len(bounds) - 1
+    unit = math.gcd(slot, row, at, *bounds)
+    src, pad = [], []
+    for r in range(W):
+        first = (r * row + at) // unit
+        n = (bounds[r + 1] - bounds[r]) // unit
+        src.extend(range(first, first + n))
+        pad.extend(range(first + n, first + slot // unit))
+    return unit, tuple(src), tuple(pad)
+
+
+_INDEX: dict = {}
+
+
+def _staging_index(bounds: tuple, slot: int, row: int, at: int, device: torch.device):
+    """``_staging_blocks`` as index tensors on ``device`` (made once)."""
+    key = (bounds, slot, row, at, device)
+    got = _INDEX.get(key)
+    if got is None:
+        unit, src, pad = _staging_blocks(bounds, slot, row, at)
+        got = _INDEX[key] = (unit, torch.tensor(src, dtype=torch.int64, device=device),
+                             torch.tensor(pad, dtype=torch.int64, device=device))
+        if len(_INDEX) > 256:
+            _INDEX.pop(next(iter(_INDEX)))
+    return got
+
+
+def staging_slot(bounds: tuple) -> int:
+    """The padded piece: the largest."""
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def pack(staging: torch.Tensor, flat: torch.Tensor, bounds: tuple, slot: int,
+         row: int | None = None, at: int = 0) -> None:
+    """Every rank's piece of ``flat`` into its row of ``staging`` (rows of
+    ``row`` elements, this group's part from column ``at``), padding zeroed."""
+    row = slot if row is None else row
+    unit, src, pad = _staging_index(bounds, slot, row, at, flat.device)
+    blocks = staging.view(-1, unit)
+    blocks.index_copy_(0, src, flat[:bounds[-1]].view(-1, unit))
+    if pad.numel():
+        blocks.index_fill_(0, pad, 0)
+
+
+def unpack(flat: torch.Tensor, staging: torch.Tensor, bounds: tuple, slot: int,
+           row: int | None = None, at: int = 0) -> None:
+    """The inverse of ``pack``: every rank's row of ``staging`` into its piece of ``flat``."""
+    row = slot if row is None else row
+    unit, src, _ = _staging_index(bounds, slot, row, at, flat.device)
+    torch.index_select(staging.view(-1, unit), 0, src, out=flat[:bounds[-1]].view(-1, unit))
+
+
+class _Then:
+    """A work whose ``wait()`` then runs ``finish`` once (a copy out of the staging)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return True
+
+
+def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, at):
+    W, r = len(bounds) - 1, dist.get_rank(group)
+    slot = staging_slot(bounds)
+    staging = output.new_empty(W * slot)
+    mine = staging[r * slot:(r + 1) * slot]
+    n = bounds[r + 1] - bounds[r]
+    mine[:n].copy_(shard)
+    mine[n:].zero_()
+    work = _all_gather_tensor(staging, mine, group=group, async_op=async_op)
+
+    def finish():
+        unpack(output, staging, bounds, slot)
+    if not async_op:
+        finish()
+        return _Works([])
+    return _Then(_Works([work], at) if output.device.type == "cpu" else work, finish)
+
+
+def _padded_reduce_scatter(flat_grad, group, op, out, async_op: bool, bounds: tuple, at):
+    W, r = len(bounds) - 1, dist.get_rank(group)
+    slot = staging_slot(bounds)
+    staging = flat_grad.new_empty(W * slot)
+    pack(staging, flat_grad, bounds, slot)
+    res = flat_grad.new_empty(slot)
+    n = bounds[r + 1] - bounds[r]
+    work = _reduce_scatter_tensor(res, staging, op=op, group=group, async_op=async_op)
+
+    def finish():
+        if out is None:
+            return res[:n]
+        return out.copy_(res[:n])
+    if not async_op:
+        return ReduceScatterWork(None, finish())
+    if flat_grad.device.type == "cpu":
+        return ReduceScatterWork(_Works([work], at), None, finish)
+    return ReduceScatterWork(work, None, finish)
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True,
-               bounds: tuple | None = None):
+               bounds: tuple | None = None, padded: bool | None = None):
     """``output`` (world·S) ← every rank's ``shard`` (S), in rank order.
 
     ``bounds`` (uneven pieces, see [Note: shard layout] in _layout.py): rank r's
-    shard goes to ``output[bounds[r]:bounds[r+1]]``; on NCCL, torch's
-    ``all_gather`` with those views as its list (issued as one coalesced
-    group of broadcasts, no copy), on gloo the broadcasts below."""
+    shard goes to ``output[bounds[r]:bounds[r+1]]``; on gloo the broadcasts
+    below, on every other backend one equal-size all-gather of the pieces
+    padded to the largest ([Note: padded collectives]; the bytes counted are
+    the padded ones). ``padded``: the group's own decision (None: by the backend)."""
+    padded = bounds is not None and (pads(group, output.device) if padded is None else padded)
     _stats().all_gather_calls += 1
-    _stats().all_gather_bytes += _nbytes(output)
+    _stats().all_gather_bytes += (_nbytes(output) if not padded else
+                                  (len(bounds) - 1) * staging_slot(bounds) * output.element_size())
     at = _divergence.next_op(group)
+    if padded:
+        return _padded_all_gather(output, shard, group, async_op, bounds, at)
     gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
-        if bounds is not None:
-            work = dist.all_gather(_pieces(output, 0, bounds), shard, group=group,
-                                   async_op=async_op)
-        else:
-            work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
+        work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
         return work if async_op else _Works([])
     rank, world = gloo
     chunks = _pieces(output, world, bounds)
@@ -180,28 +321,27 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
 
 def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
                    out: torch.Tensor | None = None, async_op: bool = True,
-                   bounds: tuple | None = None) -> ReduceScatterWork:
+                   bounds: tuple | None = None, padded: bool | None = None) -> ReduceScatterWork:
     """``op`` (mean by default) over ranks of this rank's chunk of ``flat_grad``
     (world·S); ``wait()`` gives the S-element result (in ``out`` if given). On
     gloo ``flat_grad`` is overwritten, and the result is allocated only when
     waited (not while the collective is in flight). ``bounds``: uneven pieces,
-    this rank's is ``flat_grad[bounds[r]:bounds[r+1]]`` (on NCCL, torch's
-    ``reduce_scatter`` with those views as its list: one coalesced group of
-    reduces; on gloo the all-reduce below)."""
+    this rank's is ``flat_grad[bounds[r]:bounds[r+1]]`` (on gloo the
+    all-reduce below; on every other backend one equal-size reduce-scatter of
+    the pieces padded to the largest, [Note: padded collectives])."""
+    padded = bounds is not None and (pads(group, flat_grad.device) if padded is None
+                                     else padded)
     _stats().reduce_scatter_calls += 1
-    _stats().reduce_scatter_bytes += _nbytes(flat_grad)
+    _stats().reduce_scatter_bytes += (_nbytes(flat_grad) if not padded else
+                                      (len(bounds) - 1) * staging_slot(bounds)
+                                      * flat_grad.element_size())
     at = _divergence.next_op(group)
+    if padded:
+        return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, at)
     gloo = (_in_place_gloo(flat_grad, group) if bounds is None
             else _uneven_in_place(group, flat_grad))
     if gloo is None:
         world = dist.get_world_size(group)
-        if bounds is not None:
-            r = dist.get_rank(group)
-            if out is None:
-                out = flat_grad.new_empty(bounds[r + 1] - bounds[r])
-            work = dist.reduce_scatter(out, _pieces(flat_grad, world, bounds), op=op,
-                                       group=group, async_op=async_op)
-            return ReduceScatterWork(work if async_op else None, out)
         if out is None:
             out = flat_grad.new_empty(flat_grad.numel() // world)
         work = _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=async_op)

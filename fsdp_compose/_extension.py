@@ -242,6 +242,11 @@ class ExtensionGroup(FlatGroup):
         return (self.state is ShardedState.SHARDED and self.world > 1
                 and self.device.type != "meta")
 
+    def shares_reduce(self) -> bool:
+        """A unit's extension groups (one per float8 weight) share one
+        reduce-scatter per key on every backend but gloo: never one per weight."""
+        return self.world > 1 and self._pads
+
     # ------------------------------------------------------------------ gather
     def unshard(self, streams: StreamManager) -> None:
         if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:

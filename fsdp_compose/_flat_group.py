@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _layout
+from . import _collectives, _layout
 from ._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._grad_path import GradientPath
 from ._param_entry import ParamEntry, make_entries
@@ -151,6 +151,9 @@ class FlatGroup:
         # this rank's range of the flat; every rank's (uneven pieces) or None (equal chunks)
         self.flat_range = layout.rank_range(rank)
         self.gather_bounds = None if layout.even else layout.bounds
+        # uneven pieces through one padded equal-size collective (decided by the
+        # backend once: [Note: padded collectives] in _collectives.py)
+        self._pads = _collectives.pads(pg, device)
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
         self._split_sizes, self._view_at = layout.split_plan()
         self.spec = replace(self.spec, mode=self._decide_mode())
@@ -425,7 +428,7 @@ class FlatGroup:
             self.state = ShardedState.UNSHARDED
             return
         self._pending = streams.all_gather(self.flat_data, src, self.pg, (self.unit_fqn, _GATHER),
-                                           bounds=self.gather_bounds)
+                                           bounds=self.gather_bounds, padded=self.padded())
         self.state = ShardedState.UNSHARDING
 
     def gathers_together(self, streams) -> bool:
@@ -433,15 +436,33 @@ class FlatGroup:
         (``_extension.gather_together``); a plain group never is."""
         return False
 
+    @property
+    def slot(self) -> int:
+        """Each rank's part of the group's all-gather and reduce-scatter: the
+        shard (equal chunks), or the largest piece ([Note: padded collectives]
+        in _collectives.py)."""
+        return self.layout.chunk
+
+    def padded(self) -> bool:
+        """Uneven pieces gathered and reduced padded to ``slot`` (every backend
+        but gloo), which can share buckets; False: equal chunks, or gloo's
+        in-place path for uneven pieces (alone)."""
+        return self.gather_bounds is not None and self._pads
+
+    def shares_reduce(self) -> bool:
+        """Reduced with the unit's other such groups of its key even when the
+        unit is not in a bucket (``_group_ops.reduce_scatter``): padded groups."""
+        return self.padded()
+
     def gather_key(self) -> tuple | None:
         """Groups with equal keys can share one all-gather (see gather_bucket);
         None: this group is not gathered by a plain all-gather right now. A
-        group of uneven pieces shares with none (its key is its own)."""
+        group of uneven pieces on gloo shares with none (its key is its own)."""
         if self.state is not ShardedState.SHARDED or self.mode is not FlatMode.GATHERED \
                 or self.device.type == "meta":
             return None
         return (self.compute_dtype, self.pg, self.world, self.device,
-                None if self.gather_bounds is None else id(self))
+                id(self) if self.gather_bounds is not None and not self.padded() else None)
 
     def _complete_gather(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""
@@ -513,7 +534,8 @@ class _GatherBucketWork:
         at = 0
         for g in groups:
             self._at[id(g)] = (g, at)
-            at += g.shard_numel
+            at += g.slot
+        self._row = at
 
     def wait_group(self, g: FlatGroup) -> bool:
         """``g``'s chunks are in its flat."""
@@ -521,8 +543,11 @@ class _GatherBucketWork:
         entry = self._at.pop(id(g), None)
         if entry is not None:
             g._ensure_flat()
-            W, at, S = g.world, entry[1], g.shard_numel
-            g.flat_data.view(W, S).copy_(self._buf.view(W, -1)[:, at:at + S])
+            W, at, S = g.world, entry[1], g.slot
+            if g.gather_bounds is None:
+                g.flat_data.view(W, S).copy_(self._buf.view(W, -1)[:, at:at + S])
+            else:  # (uneven pieces: see [Note: padded collectives] in _collectives.py)
+                _collectives.unpack(g.flat_data, self._buf, g.gather_bounds, S, self._row, at)
             if not self._at:
                 self._streams.release(self._buf)
                 self._buf = self._streams = None
@@ -545,19 +570,22 @@ class _GroupShare:
 
 def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     """ONE all-gather for several sharded groups with the same ``gather_key()``:
-    rank-major (for each rank r, every group's chunk r in turn); this rank's
-    row is filled from the shards (cast / host-to-device in the same pass),
-    and each group's chunks are copied into its flat when that group waits
-    (``_GatherBucketWork``). Every group is UNSHARDING after it."""
+    rank-major (for each rank r, every group's chunk r in turn, an uneven
+    group's piece padded to its ``slot``); this rank's row is filled from the
+    shards (cast / host-to-device in the same pass), and each group's chunks
+    are copied into its flat when that group waits (``_GatherBucketWork``).
+    Every group is UNSHARDING after it."""
     first = groups[0]
-    W, total = first.world, sum(g.shard_numel for g in groups)
+    W, total = first.world, sum(g.slot for g in groups)
     work = _GatherBucketWork(None, groups, None, streams)
     buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
     for g in groups:
         g.unsharded_version = g.shard._version
         streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
-        at += g.shard_numel
+        if g.slot > g.shard_numel:  # (a padded piece: nobody reads it, every byte written)
+            mine[at + g.shard_numel:at + g.slot].zero_()
+        at += g.slot
     what = (first.unit_fqn, f"{_GATHER} (a bucket of {len(groups)} groups from here on)")
     work._pending, work._buf = streams.all_gather(buf, mine, first.pg, what), buf
     for g in groups:

@@ -313,7 +313,7 @@ class GradientPath:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
         g = self.group
         inline = (g.padded_numel * g.reduce_dtype.itemsize <= _inline_flags_bytes
-                  and g.gather_bounds is None)  # (uneven pieces: flags on their own)
+                  and (g.gather_bounds is None or g.padded()))  # (gloo's uneven: on their own)
         if g.world > 1 and inline:
             return _launch_inline([self], streams)[0]
         taken = self.take_grad()
@@ -335,7 +335,8 @@ class GradientPath:
                              post)
         launch.pending = streams.reduce_scatter(taken.flat_grad, g.rs_pg, taken.op,
                                                 _fold_all([launch]), g.replicate_pg is not None,
-                                                (g.unit_fqn, _REDUCE), bounds=g.gather_bounds)
+                                                (g.unit_fqn, _REDUCE), bounds=g.gather_bounds,
+                                                padded=g.padded())
         return launch
 
     def bucket_key(self) -> tuple:
@@ -343,7 +344,8 @@ class GradientPath:
         g = self.group
         return (g.reduce_dtype, g.rs_pg, g.world, g.device, g.replicas,
                 self.settings.divide_factor, self.settings.force_sum,
-                None if g.gather_bounds is None else id(self))  # (uneven: never merged)
+                id(self) if g.gather_bounds is not None and not g.padded()
+                else None)  # (gloo's uneven pieces: never merged)
 
     def flags_row(self, used: list[bool], streams: StreamManager) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied
@@ -355,15 +357,16 @@ class GradientPath:
         key = (tuple(used), g.device, g.reduce_dtype)  # (a model moved or cast)
         if self._flags_row is None or self._flags_row[0] != key:
             align = _layout.align_elems(g.reduce_dtype.itemsize)
-            pad = -(g.shard_numel + len(used)) % align
+            pad = -(g.slot + len(used)) % align
             self._flags_row = (key, _flags_tensor(list(used) + [False] * pad, streams,
                                                   g.reduce_dtype))
         return self._flags_row[1]
 
     def _inline_counts(self, out: torch.Tensor) -> torch.Tensor:
-        """The flags' rank average after the gradient shard in ``out`` (not the padding)."""
+        """The flags' rank average after the gradient shard in ``out`` (not the
+        padding), at ``slot`` (an uneven group's piece is padded to it)."""
         g = self.group
-        return out[g.shard_numel:g.shard_numel + len(g.entries)]
+        return out[g.slot:g.slot + len(g.entries)]
 
     def take_grad(self) -> TakenGrad:
         """The flat gradient, ready to reduce: in ``reduce_dtype``, unsynced
@@ -515,17 +518,29 @@ def _launch_inline(paths: list[GradientPath], streams: StreamManager) -> list[_G
     first = paths[0]
     taken = [p.take_grad() for p in paths]
     W = first.group.world
-    cols = []
-    for p, t in zip(paths, taken):
-        cols.append(t.flat_grad.view(W, p.group.shard_numel))
-        row = p.flags_row(t.used, streams)
-        cols.append(row.expand(W, row.numel()))
-    n = sum(c.shape[1] for c in cols)
-    flat = streams.bucket("reduce_scatter", W * n, cols[0].dtype, first.group.device).view(W, n)
-    torch.cat(cols, dim=1, out=flat)  # (see [Note: bucket buffers] in _streams.py)
+    rows = [p.flags_row(t.used, streams) for p, t in zip(paths, taken)]
+    n = sum(p.group.slot + row.numel() for p, row in zip(paths, rows))
+    dtype = taken[0].flat_grad.dtype
+    flat = streams.bucket("reduce_scatter", W * n, dtype, first.group.device).view(W, n)
+    # (see [Note: bucket buffers] in _streams.py)
+    if all(p.group.gather_bounds is None for p in paths):  # equal chunks: one cat
+        cols = []
+        for p, t, row in zip(paths, taken, rows):
+            cols += [t.flat_grad.view(W, p.group.shard_numel), row.expand(W, row.numel())]
+        torch.cat(cols, dim=1, out=flat)
+    else:  # uneven pieces padded to their slots ([Note: padded collectives] in _collectives.py)
+        at = 0
+        for p, t, row in zip(paths, taken, rows):
+            g = p.group
+            if g.gather_bounds is None:
+                flat[:, at:at + g.slot].copy_(t.flat_grad.view(W, g.slot))
+            else:
+                _collectives.pack(flat.view(-1), t.flat_grad, g.gather_bounds, g.slot, n, at)
+            flat[:, at + g.slot:at + g.slot + row.numel()].copy_(row.expand(W, row.numel()))
+            at += g.slot + row.numel()
     launches, at = [], 0
-    for p, t, row in zip(paths, taken, cols[1::2]):
-        n = p.group.shard_numel + row.shape[1]
+    for p, t, row in zip(paths, taken, rows):
+        n = p.group.slot + row.numel()
         launches.append(_GradLaunch(p, streams, None, _UsedFlags(t.used, inline=True), t.post,
                                     (at, at + n)))
         at += n

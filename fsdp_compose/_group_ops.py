@@ -51,7 +51,9 @@ def _gather_buckets(units: list[Unit], streams: StreamManager,
 def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> list:
     """Launch the reduce-scatters of ``units``' trainable groups; returns the
     launches (``_grad_path._GradLaunch``). ``bucket``: the groups of one
-    ``bucket_key`` share one collective; else (one unit) each group alone."""
+    ``bucket_key`` share one collective; else (one unit) each group alone,
+    but for the unit's extension groups (float8 weights) and padded uneven
+    groups, which share one per key (never one collective per weight)."""
     if bucket:
         by_key: dict[tuple, list] = {}
         for u in units:
@@ -60,5 +62,14 @@ def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> l
         paths = list(by_key.values())
     else:
         (unit,) = units
-        paths = [[g.grad] for g in unit.trainable]
+        paths, shared = [], {}
+        for g in unit.trainable:
+            if g.shares_reduce():
+                key = g.grad.bucket_key()
+                if key not in shared:
+                    shared[key] = []
+                    paths.append(shared[key])
+                shared[key].append(g.grad)
+            else:
+                paths.append([g.grad])
     return [launch for bucket_paths in paths for launch in launch_bucket(bucket_paths, streams)]

@@ -114,7 +114,9 @@ class Layout:
 
     @functools.cached_property
     def _order(self) -> tuple[int, ...]:
-        return tuple(sorted(range(len(self.slots)), key=self.offsets.__getitem__))
+        # (an empty slot sharing an offset with a parameter comes first)
+        return tuple(sorted(range(len(self.slots)),
+                            key=lambda i: (self.offsets[i], self.slots[i].numel > 0)))
 
     def pieces(self, rank: int) -> list[Piece]:
         """``rank``'s non-empty pieces, in the order they lie in its shard."""
@@ -148,7 +150,7 @@ class Layout:
                 sizes.append(self.offsets[i] - at)  # padding
             view_at[i] = len(sizes)
             sizes.append(self.slots[i].numel)
-            at = self.offsets[i] + self.slots[i].numel
+            at = max(at, self.offsets[i] + self.slots[i].numel)  # (an empty slot may share an offset)
         if self.numel > at:
             sizes.append(self.numel - at)  # tail padding
         return sizes, view_at
@@ -267,47 +269,138 @@ def _row_layout(slots: tuple[Slot, ...], world: int, align: int,
     return None
 
 
+class _Cuts:
+    """The positions an uneven boundary may take in a row group whose
+    parameters lie end to end in ``order`` (see ``_uneven``): inside a
+    parameter, an aligned row boundary before its end; a parameter's start;
+    the end of the last one."""
+
+    def __init__(self, slots: tuple[Slot, ...], order: list[int], align: int):
+        self.offsets = [0] * len(slots)
+        starts, steps, ends, pos = [], [], [], 0
+        for i in order:
+            s = slots[i]
+            pos = _ceil_to(pos, align)
+            self.offsets[i] = pos
+            if s.numel:
+                starts.append(pos)
+                ends.append(pos + s.numel)
+                steps.append(math.lcm(s.row_numel, align))  # rows at aligned offsets
+            pos += s.numel
+        self.end, self.align = pos, align
+        self.starts, self.steps, self.ends = starts, steps, ends
+        self.nxt = starts[1:] + [pos]
+        self.max_step = max(steps, default=align)
+
+    def floor(self, x: int) -> int:
+        """The largest allowed position <= ``x``."""
+        if not self.starts:
+            return 0
+        if x >= self.end:
+            return self.end
+        i = bisect.bisect_right(self.starts, x) - 1
+        if i < 0:
+            return 0
+        st, k = self.starts[i], self.steps[i]
+        return st + min((x - st) // k, (self.ends[i] - st - 1) // k) * k
+
+    def ceil(self, x: int) -> int:
+        """The smallest allowed position >= ``x``."""
+        if x <= 0 or not self.starts:
+            return 0 if x <= 0 else self.end
+        if x >= self.end:
+            return self.end
+        i = bisect.bisect_right(self.starts, x) - 1
+        st, k = self.starts[i], self.steps[i]
+        m = -(-(x - st) // k)
+        return st + m * k if st + m * k < self.ends[i] else self.nxt[i]
+
+    def pieces_needed(self, limit: int, world: int) -> bool:
+        """Whether ``world`` pieces of at most ``limit`` elements, cut at
+        allowed positions, cover the group (greedy: each as long as it may be)."""
+        at = 0
+        for _ in range(world):
+            if at + limit >= self.end:
+                return True
+            nxt = self.floor(at + limit)
+            if nxt <= at:
+                return False
+            at = nxt
+        return at >= self.end
+
+    def smallest_limit(self, world: int) -> int:
+        """The smallest largest piece over ``world`` ranks (a binary search
+        from the even share)."""
+        lo = max(1, -(-self.end // world))
+        hi = lo + self.max_step + self.align
+        while not self.pieces_needed(hi, world):
+            hi *= 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.pieces_needed(mid, world):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def bounds(self, limit: int, world: int, loads: Sequence[int]) -> list[int]:
+        """Every rank's boundary (see ``_uneven``): nearest its target, within
+        what keeps each piece, this one and those after it, within ``limit``."""
+        least = [0] * (world + 1)  # the smallest boundary from which the rest still fits
+        least[world] = self.end
+        for r in range(world - 1, 0, -1):
+            least[r] = self.ceil(least[r + 1] - limit)
+        prefix = [0]
+        for b in loads:
+            prefix.append(prefix[-1] + b)
+        grand = prefix[-1] + self.end
+        bounds = [0]
+        for r in range(1, world):
+            low, high = max(least[r], bounds[-1]), self.floor(bounds[-1] + limit)
+            t = min(max(r * grand // world - prefix[r], low), high)
+            down, up = self.floor(t), self.ceil(t)
+            down = down if down >= low else low
+            up = up if up <= high else high
+            bounds.append(down if t - down <= up - t else up)
+        bounds.append(self.end)
+        return bounds
+
+
 def _uneven(slots: tuple[Slot, ...], world: int, align: int,
             before: Sequence[int] | None) -> Layout:
-    """Uneven pieces (see [Note: shard layout]): parameters end to end, each
-    boundary at the allowed position nearest its target, ``r·(Σbefore + T)/W``
-    minus what ranks ``< r`` hold already."""
-    offsets, starts, steps, ends, pos = [], [], [], [], 0
-    for s in slots:
-        pos = _ceil_to(pos, align)
-        offsets.append(pos)
-        if s.numel:
-            starts.append(pos)
-            ends.append(pos + s.numel)
-            steps.append(math.lcm(s.row_numel, align))  # rows at aligned offsets
-        pos += s.numel
-    end = pos
-
-    # Each boundary: the allowed position nearest its target (ties: the lower).
-    # Inside a parameter, an aligned row boundary before its end; else the
-    # start of the next parameter, or the end.
-    prefix = [0]
-    for b in (before if before is not None else [0] * world):
-        prefix.append(prefix[-1] + b)
-    grand = prefix[-1] + end
-    nxt = starts[1:] + [end]
-    bounds = [0]
-    last = len(starts) - 1
-    for r in range(1, world):
-        t = min(max(r * grand // world - prefix[r], 0), end)
-        i = min(bisect.bisect_right(starts, t) - 1, last)
-        if i < 0:
-            b = 0
-        else:
-            st, k = starts[i], steps[i]
-            lo = st + min((t - st) // k, (ends[i] - st - 1) // k) * k
-            hi = lo + k if lo + k < ends[i] else nxt[i]
-            b = lo if t - lo <= hi - t else hi
-        bounds.append(b if b > bounds[-1] else bounds[-1])
-    bounds.append(end)
+    """Uneven pieces (see [Note: shard layout]). First the smallest largest
+    piece ``S`` (the equal-size collective pads every piece to it: [Note:
+    padded collectives] in _collectives.py); then the parameters' order in
+    the flat (a rotation of their registration order) and the boundaries
+    that even out the ranks' loads: each boundary at the allowed position
+    nearest its target, ``r·(Σbefore + T)/W`` minus what ranks ``< r`` hold
+    already, among those that keep every piece within ``S``. The rotation
+    with the smallest largest load wins (ties: the smaller sum of squares,
+    then the first; the first within a row of the even share is taken
+    without trying the others); where one
+    parameter's rows are coarse, rotating moves its pieces, which are
+    shorter than ``S``, onto other ranks from one group to the next."""
+    cuts = _Cuts(slots, list(range(len(slots))), align)
+    limit = cuts.smallest_limit(world)
+    loads = list(before) if before is not None else [0] * world
+    best = None
+    n = len(slots)
+    for shift in range(n if before is not None and any(loads) else 1):
+        order = list(range(shift, n)) + list(range(shift))
+        c = cuts if shift == 0 else _Cuts(slots, order, align)
+        if c.end != cuts.end or not c.pieces_needed(limit, world):
+            continue
+        bounds = c.bounds(limit, world, loads)
+        new = [loads[r] + bounds[r + 1] - bounds[r] for r in range(world)]
+        score = (max(new), sum(x * x for x in new))
+        if best is None or score < best[0]:
+            best = (score, c, bounds)
+        if score[0] <= (sum(loads) + c.end) // world + c.max_step:
+            break  # within a row of the even share: no rotation can do much better
+    _, c, bounds = best
     chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
-    numel = max(_ceil_to(end, world * align), world * align)
-    return Layout("row", world, chunk, tuple(offsets), slots, tuple(bounds), numel)
+    numel = max(_ceil_to(c.end, world * align), world * align)
+    return Layout("row", world, chunk, tuple(c.offsets), slots, tuple(bounds), numel)
 
 
 def _tensor_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:

@@ -214,16 +214,17 @@ class StreamManager:
         return _EventWork(rt, issued, result)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
-                   what: tuple | None = None, bounds: tuple | None = None) -> Pending:
-        """``bounds``: uneven pieces (see ``_collectives.all_gather``)."""
+                   what: tuple | None = None, bounds: tuple | None = None,
+                   padded: bool | None = None) -> Pending:
+        """``bounds``, ``padded``: uneven pieces (see ``_collectives.all_gather``)."""
         work = self._on(self.all_gather_stream,
                         lambda: _collectives.all_gather(output, shard, group, async_op=False,
-                                                        bounds=bounds))
+                                                        bounds=bounds, padded=padded))
         return Pending(work, (output, shard), what)
 
     def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
                        then=None, all_reduce: bool = False, what: tuple | None = None,
-                       bounds: tuple | None = None) -> Pending:
+                       bounds: tuple | None = None, padded: bool | None = None) -> Pending:
         """``then(output)``: on CUDA, the post-reduce (see [Note: post-reduce]),
         run at once on a side stream (the all-reduce stream if ``all_reduce``);
         the Pending's ``wait()`` orders the caller after the reduce-scatter,
@@ -242,7 +243,7 @@ class StreamManager:
             work = self._on(self.reduce_scatter_stream,
                             lambda: _collectives.reduce_scatter(flat_grad, group, op, out=out,
                                                                 async_op=False,
-                                                                bounds=bounds),
+                                                                bounds=bounds, padded=padded),
                             None if hsdp else then, post)
             if hsdp:  # the post-reduce on the all-reduce stream, after the reduce-scatter
                 reduced = work.event
@@ -442,16 +443,17 @@ class BlockingStreams:
         self._buckets: dict = {}  # (kind, dtype, device) -> [buffer, holder or None]
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
-                   what: tuple | None = None, bounds: tuple | None = None) -> Pending:
-        return Pending(_collectives.all_gather(output, shard, group, bounds=bounds),
-                       (output, shard), what)
+                   what: tuple | None = None, bounds: tuple | None = None,
+                   padded: bool | None = None) -> Pending:
+        return Pending(_collectives.all_gather(output, shard, group, bounds=bounds,
+                                               padded=padded), (output, shard), what)
 
     def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
                        then=None, all_reduce: bool = False, what: tuple | None = None,
-                       bounds: tuple | None = None) -> Pending:
+                       bounds: tuple | None = None, padded: bool | None = None) -> Pending:
         """``then`` is not run here: the caller runs it after ``wait()``."""
-        return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds),
-                       (flat_grad,), what)
+        return Pending(_collectives.reduce_scatter(flat_grad, group, op, bounds=bounds,
+                                                   padded=padded), (flat_grad,), what)
 
     def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
                    what: tuple | None = None) -> Pending:

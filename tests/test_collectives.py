@@ -270,3 +270,95 @@ def test_small_gloo_reduce_scatter_over_2_ranks_is_an_exchange(world):
             assert rs.get("c10d::allreduce_") == 1 and "c10d::send" not in rs, (rank, rs)
         assert stats.reduce_scatter_calls == 1 and stats.reduce_scatter_bytes == world * 64 * 4
         assert stats.all_reduce_calls == 0, stats
+
+
+# ---------------------------------------------------------------------------
+# padded collectives: uneven pieces as ONE equal-size collective (every backend
+# but gloo; forced here on gloo with ``padded=True``)
+
+
+def _uneven_bounds(w: int) -> tuple:
+    """Pieces of 0, 8, 24, 4, ... elements (multiples of 4, one empty)."""
+    sizes = [(0, 8, 24, 4)[i % 4] for i in range(w)]
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def _padded_cases(rank, world):
+    calls = []
+    real_ag, real_rs = C._all_gather_tensor, C._reduce_scatter_tensor
+
+    def spy_ag(*a, **k):
+        calls.append("all_gather_into_tensor")
+        return real_ag(*a, **k)
+
+    def spy_rs(*a, **k):
+        calls.append("reduce_scatter_tensor")
+        return real_rs(*a, **k)
+    C._all_gather_tensor, C._reduce_scatter_tensor = spy_ag, spy_rs
+    dist.all_gather = dist.reduce_scatter = None  # the list forms: never called
+    checked = []
+    try:
+        for gname, group in _groups(rank, world):
+            members = _members(group)
+            w, r = len(members), dist.get_rank(group)
+            bounds = _uneven_bounds(w)
+            numel = bounds[-1] + 4 * w  # a tail the collective never writes
+            for async_op in (True, False):
+                case = f"{gname} async={async_op}"
+                mine = _data(rank, bounds[r + 1] - bounds[r], "randn")
+                out = torch.full((numel,), float("nan"))
+                n0 = len(calls)
+                work = C.all_gather(out, mine.clone(), group, async_op=async_op, bounds=bounds,
+                                    padded=True)
+                work.wait()
+                assert calls[n0:] == ["all_gather_into_tensor"], (case, calls[n0:])
+                expect = torch.cat([_data(m, bounds[i + 1] - bounds[i], "randn")
+                                    for i, m in enumerate(members)])
+                assert _bitwise_equal(out[:bounds[-1]], expect), case
+                assert out[bounds[-1]:].isnan().all(), case  # the tail untouched
+                # reduce-scatter of integer data: every order sums to the same bits
+                for op_name in ("SUM", "AVG"):
+                    op = getattr(dist.ReduceOp, op_name)
+                    flats = [_data(m, numel, "int") for m in members]
+                    n0 = len(calls)
+                    res = C.reduce_scatter(flats[r].clone(), group, op, async_op=async_op,
+                                           bounds=bounds, padded=True).wait()
+                    assert calls[n0:] == ["reduce_scatter_tensor"], (case, calls[n0:])
+                    total = torch.stack(flats).sum(0)[bounds[r]:bounds[r + 1]]
+                    want = total / w if op_name == "AVG" else total
+                    assert _bitwise_equal(res, want), f"{case} {op_name}"
+                checked.append(case)
+    finally:
+        C._all_gather_tensor, C._reduce_scatter_tensor = real_ag, real_rs
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_padded_uneven_collectives(world):
+    """One ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` per call, the
+    list forms never called; the pieces land at their true offsets (empty
+    pieces and subgroups included) and the flat's tail is untouched."""
+    out = run_distributed(_padded_cases, world)
+    assert all(out), out
+
+
+def test_pack_unpack_in_a_bucket_row():
+    """The staging copies alone (no process): pieces padded to the largest,
+    in a bucket row after another group's columns, and back; the padding zeroed."""
+    bounds = (0, 12, 12, 40, 48)   # pieces 12, 0, 28, 8: padded to 28
+    slot, row, at = 28, 28 + 4 + 36, 4
+    flat = torch.arange(48, dtype=torch.float32) + 1
+    staging = torch.full((4 * row,), -1.0)
+    C.pack(staging, flat, bounds, slot, row, at)
+    rows = staging.view(4, row)
+    for r in range(4):
+        n = bounds[r + 1] - bounds[r]
+        assert torch.equal(rows[r, at:at + n], flat[bounds[r]:bounds[r + 1]])
+        assert (rows[r, at + n:at + slot] == 0).all()     # padding zeroed
+        assert (rows[r, :at] == -1).all() and (rows[r, at + slot:] == -1).all()  # others' columns
+    back = torch.zeros(52)
+    C.unpack(back, staging, bounds, slot, row, at)
+    assert torch.equal(back[:48], flat) and (back[48:] == 0).all()

@@ -221,30 +221,46 @@ def _model(dim: int, layers: int, W: int, carry: bool = True, even=None):
     return out, loads
 
 
+# The bounds of the issue "one collective per bucket": a rank's bytes within
+# 2% of total / W at 256 and 1024 ranks and 5% at 4096, and so the
+# equal-size collectives' bytes (every piece padded to its group's largest).
+BOUND = {256: 1.02, 1024: 1.02, 4096: 1.05}
+
+
 @pytest.mark.parametrize("dim,layers", [(4096, 32), (8192, 80)], ids=["6.6B", "70B"])
 @pytest.mark.parametrize("W", [256, 1024, 4096])
 def test_llama_at_thousands_of_ranks(dim, layers, W):
     """The issue's shapes (docs/design.md, "Row-granular shards at scale"):
-    the blocks get uneven pieces, alone each within a row of the even share;
-    over the model, with the loads carried, the sum of a rank's pieces within
-    one row of total / W; the flats (what the collectives move) pad by the
-    tail only (blocks) or at most a row per rank (the root, equal chunks)."""
+    the blocks get uneven pieces whose largest is the smallest possible
+    (each equal-size collective pads every piece to it); over the model,
+    with the loads carried, a rank's sum within the bound of total / W; the
+    flats pad by the tail only (blocks) or at most a row per rank (the root,
+    equal chunks)."""
     lays, loads = _model(dim, layers, W)
     for lay in lays[:2] + lays[-1:]:
         _check(lay, 4)
     block, root = lays[0], lays[-1]
-    row = max(s.row_numel for s in block.slots)
     total = sum(sum(s.numel for s in lay.slots) for lay in lays)
     T = sum(s.numel for s in block.slots)
     assert not block.even
-    alone = plan(_llama_block(dim), W, 4)
-    _check(alone, 4)
-    assert max(alone.shard_numel(r) for r in range(W)) <= T / W + row + 4
+    # the largest piece cannot be smaller: W pieces of one element less do not cover
+    cuts = _layout._Cuts(block.slots, sorted(range(len(block.slots)),
+                                             key=block.offsets.__getitem__), 4)
+    assert cuts.pieces_needed(block.chunk, W) and not cuts.pieces_needed(block.chunk - 1, W)
     for lay in lays[:-1]:
         assert lay.numel - T <= W * 4  # the flat: the parameters and its tail
     assert root.padding <= W * root.slots[0].row_numel  # at most a row per rank
-    assert max(loads) <= sum(loads) / W + row + 4, (max(loads), sum(loads) / W)
-    assert max(loads) / (total / W) < 1.01
+    assert max(loads) <= BOUND[W] * total / W, (max(loads), total / W)
+    moved = sum(W * lay.chunk for lay in lays)  # an all-gather of every group
+    if (dim, W) == (4096, 4096):
+        # The one case past the bound, at its optimum: w_down's rows are 10944
+        # elements and the even share 49.2K, so a piece inside it holds 4 rows
+        # (43776) or 5 (54720); with 4, w_down takes 1024 ranks and the other
+        # 156.9M elements (rows of 4096) must fit 3072 pieces: 13 rows (53248)
+        # each, 8.1% over the share (the assert above: no smaller piece fits).
+        assert moved <= 1.081 * total
+    else:
+        assert moved <= BOUND[W] * total, moved / total
     # equal chunks over these ranks: a multiple of both row sizes per chunk
     old = plan(_llama_block(dim), W, 4, even=True)
     assert old.even and old.numel > 1.1 * sum(s.numel for s in old.slots)
@@ -252,14 +268,15 @@ def test_llama_at_thousands_of_ranks(dim, layers, W):
 
 def test_carry_evens_out_identical_blocks():
     """Without the loads of the earlier groups, 32 identical blocks would put
-    their extra rows on the same ranks every time (11% over the share at 4096
-    ranks); with them, the sums stay within one row of total / W."""
+    their short pieces (w_down's, whole rows of 10944 elements) on the same
+    ranks every time (8% over the share at 4096 ranks); with them, the
+    parameters' order rotates from block to block and the sums stay within 2%."""
     W = 4096
     _, carried = _model(4096, 32, W)
     _, alone = _model(4096, 32, W, carry=False)
     total = sum(carried)
     assert total == sum(alone)
-    assert max(carried) <= total / W + 10944 + 4
+    assert max(carried) <= 1.02 * total / W
     assert max(alone) > 1.05 * total / W
 
 
@@ -291,15 +308,14 @@ def test_uneven_bounds_by_hand():
     _check(lay, 2)
     assert lay.offsets == (0, 6) and lay.bounds == (0, 6, 21) and lay.numel == 24
     assert [lay.rows_on(1, r) for r in range(2)] == [(0, 0), (0, 3)]
-    # rank 0 already holds 14 elements: the target is (14 + 21) / 2 - 14 = 3,
-    # between the aligned rows 2 and 4 of the 1-d parameter: 2 (ties: the lower)
-    lay = plan([Slot(6, 1), Slot(3, 5)], 2, 2, before=[14, 0], even=False)
-    _check(lay, 2)
-    assert lay.bounds == (0, 2, 21) and lay.rank_numel() == (2, 19)
-    # 30 already: the target is below 0, so rank 0 takes nothing
-    lay = plan([Slot(6, 1), Slot(3, 5)], 2, 2, before=[30, 0], even=False)
-    _check(lay, 2)
-    assert lay.bounds == (0, 0, 21) and lay.pieces(0) == []
+    # the largest piece is 15 (a cut at 16 would leave 16): rank 0 already
+    # holding 14 or 30 elements moves no boundary (a target of 3, or below 0,
+    # would leave rank 1 more than 15); the one rotation (the matrix first)
+    # would lengthen the flat by alignment, and is not taken
+    for before in ([14, 0], [30, 0]):
+        lay = plan([Slot(6, 1), Slot(3, 5)], 2, 2, before=before, even=False)
+        _check(lay, 2)
+        assert lay.bounds == (0, 6, 21) and lay.offsets == (0, 6) and lay.chunk == 15
     # a single 4-row matrix over 8 ranks: 4 ranks hold a row, 4 hold nothing
     lay = plan([Slot(4, 8)], 8, 4, even=False)
     _check(lay, 4)
@@ -322,13 +338,14 @@ def test_random_groups_with_loads():
 def test_plans_a_70b_block_at_4096_ranks_quickly():
     """Counted, not timed: equal chunks are ruled out before any fill (the
     largest matrices would each hold whole chunks, whose size must then be a
-    multiple of their rows, past the padding limit), and each of the W - 1
-    boundaries of the uneven pieces is one binary search over the
-    parameters."""
+    multiple of their rows, past the padding limit); the uneven pieces cost
+    a binary search for the largest piece (each step a greedy pass of at most
+    W cuts) and one pass per rotation tried, each cut one binary search over
+    the parameters: O(W·(log(row) + rotations)) searches."""
     W = 4096
     with mock.patch.object(_layout, "_fill", wraps=_layout._fill) as fill, \
             mock.patch.object(bisect, "bisect_right", wraps=bisect.bisect_right) as search:
         lay = plan(_llama_block(8192), W, 4, before=list(range(W)))
     assert fill.call_count == 0, fill.call_count
-    assert search.call_count == W - 1, search.call_count
+    assert search.call_count <= 40 * W, search.call_count / W
     assert not lay.even

@@ -347,6 +347,30 @@ def uneven_pieces(shard):
     return f
 
 
+def padded_pieces(shard):
+    """``uneven_pieces``, with the collectives every backend but gloo runs:
+    one equal-size all-gather / reduce-scatter per bucket, every piece
+    padded to its group's largest through a staging buffer ([Note: padded
+    collectives] in fsdp_compose/_collectives.py), here on gloo with real
+    data (the groups are built while ``PAD_UNEVEN_ON_GLOO`` is set)."""
+    def f(m, impl):
+        if not impl.flat:
+            return shard(m, impl)
+        from fsdp_compose import _collectives
+        _collectives.PAD_UNEVEN_ON_GLOO = True
+        try:
+            out = uneven_pieces(shard)(m, impl)
+        finally:
+            _collectives.PAD_UNEVEN_ON_GLOO = False
+        if dist.get_world_size() > 1:
+            from fsdp_compose._registry import unit_of
+            units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
+            assert any(g.padded() for u in units.values() for g in u.groups)
+        return out
+
+    return f
+
+
 class Twice(nn.Module):
     def __init__(self, din=6, d=16, dout=3):
         super().__init__()
@@ -547,6 +571,14 @@ SCENARIOS: Dict[str, Scenario] = {
     "uneven_pieces_mixed_dtype_unit": Scenario(MixedNet, uneven_pieces(shard_mixed), sgd,
                                                regression_data(6, 2), mse_loss),
     "uneven_pieces_frozen_and_half_frozen": Scenario(FrozenNet, uneven_pieces(shard_frozen),
+                                                     adamw, regression_data(6, 3), mse_loss),
+    "padded_pieces_mlp_nested_adamw_reshard": Scenario(MLP, padded_pieces(shard_mlp(True)), adamw,
+                                                       regression_data(8, 4), mse_loss),
+    "padded_pieces_tied_embedding_list_unit": Scenario(TiedLM, padded_pieces(shard_tied), adamw,
+                                                       token_data(), lm_loss),
+    "padded_pieces_mixed_dtype_unit": Scenario(MixedNet, padded_pieces(shard_mixed), sgd,
+                                               regression_data(6, 2), mse_loss),
+    "padded_pieces_frozen_and_half_frozen": Scenario(FrozenNet, padded_pieces(shard_frozen),
                                                      adamw, regression_data(6, 3), mse_loss),
     "unit_output_used_on_rank0_only_reshard": Scenario(SideNet, shard_side(True), sgd,
                                                        regression_data(6, 3), rank0_only_loss,
