@@ -77,6 +77,7 @@ class GroupInfo:
     layout: _layout.Layout
     offload: bool = False    # CPUOffloadPolicy: shards and gradient shards in host memory
     entries: list = field(default_factory=list)  # (fqn, ndim, rows) per parameter
+    padded: bool = False     # uneven pieces, one equal-size collective padded to ``slot``
 
     @property
     def trainable(self) -> bool:
@@ -84,8 +85,20 @@ class GroupInfo:
 
     @property
     def even(self) -> bool:
-        """Equal chunks (else uneven pieces: gathered and reduced alone)."""
+        """Equal chunks (else uneven pieces: padded, or on gloo alone)."""
         return self.layout.even
+
+    @property
+    def slot(self) -> int:
+        """Each rank's part of the group's collectives: its shard, or the
+        largest piece (padded: [Note: padded collectives] in _collectives.py)."""
+        return self.layout.chunk
+
+    @property
+    def moved(self) -> int:
+        """Elements of the group's all-gather output / reduce-scatter input:
+        the flat, or W·slot where padded."""
+        return self.world * self.slot if self.padded else self.numel
 
     def shard_of(self, rank: int) -> int:
         """Elements of ``rank``'s shard."""
@@ -116,19 +129,21 @@ class GroupInfo:
         """Elements the flags take after the shard when they ride inline: E,
         then zeros to the next 16 bytes (``GradientPath.flags_row``)."""
         align = _layout.align_elems(self.reduce_itemsize)
-        return self.flags + (-(self.shard + self.flags) % align)
+        return self.flags + (-(self.slot + self.flags) % align)
 
     @property
     def inline_flags(self) -> bool:
         """Reduced alone, its flags ride in its reduce-scatter (small groups of
-        equal chunks)."""
-        return self.reduce_bytes <= INLINE_FLAGS_BYTES and self.even
+        equal chunks or padded pieces)."""
+        return self.reduce_bytes <= INLINE_FLAGS_BYTES and (self.even or self.padded)
 
     def gather_key(self) -> tuple:
-        return (self.compute_dtype, self.world, None if self.even else id(self))
+        return (self.compute_dtype, self.world,
+                None if self.even or self.padded else id(self))
 
     def bucket_key(self) -> tuple:
-        return (self.reduce_dtype, self.world, self.replicas, None if self.even else id(self))
+        return (self.reduce_dtype, self.world, self.replicas,
+                None if self.even or self.padded else id(self))
 
 
 @dataclass(eq=False)
@@ -151,9 +166,11 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def describe(root_unit, blocks: list) -> list[UnitInfo]:
+def describe(root_unit, blocks: list, padded: bool = True) -> list[UnitInfo]:
     """[root, *blocks] (forward order, see [Note: planner schedule]) as UnitInfo;
-    ``root_unit`` and ``blocks`` are fsdp_compose ``Unit`` objects."""
+    ``root_unit`` and ``blocks`` are fsdp_compose ``Unit`` objects. ``padded``:
+    uneven groups take the padded equal-size collectives (every backend but
+    gloo), else gloo's in-place ones."""
     out = []
     for u in [root_unit, *blocks]:
         groups = []
@@ -167,7 +184,7 @@ def describe(root_unit, blocks: list) -> list[UnitInfo]:
                 converts_grad=g.reduce_dtype != g.dtype, requires_grad=g.requires_grad,
                 direct=g.direct, aliased=g.aliased, world=g.world, replicas=g.replicas,
                 post_forward=g.post_forward.size if g.post_forward is not None else None,
-                layout=g.layout, offload=g.offload,
+                layout=g.layout, offload=g.offload, padded=padded and not g.layout.even,
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
                          for e in g.entries])
             groups.append(info)
@@ -255,7 +272,7 @@ def rank_bytes(units: list[UnitInfo], optimizer: str, grad_buffers: list[list[Gr
                 for r in range(world):
                     grads[r] += (g.shard_of(r) + flags) * item if holds[id(g)][r] else 0
             continue
-        size = sum(g.shard + (g.inline_width if inline else 0) for g in buf) \
+        size = sum(g.slot + (g.inline_width if inline else 0) for g in buf) \
             * buf[0].reduce_itemsize
         for r in range(world):
             grads[r] += size if any(holds[id(g)][r] for g in buf) else 0
@@ -343,7 +360,7 @@ class Step:
 
     def _count_gather(self, groups: list[GroupInfo]) -> None:
         self.comm.all_gather_calls += 1
-        self.comm.all_gather_bytes += sum(g.flat_bytes for g in groups)
+        self.comm.all_gather_bytes += sum(g.moved * g.compute_itemsize for g in groups)
         for g in groups:
             self.gathers[id(g)] = self.gathers.get(id(g), 0) + 1
 
@@ -541,14 +558,15 @@ class Step:
         by_key: dict[tuple, list] = {}
         for u in units:
             for g in u.trainable:
-                by_key.setdefault(g.bucket_key() if bucketed else (id(g),), []).append(g)
+                key = g.bucket_key() if bucketed or g.padded else (id(g),)
+                by_key.setdefault(key, []).append(g)
         for groups in by_key.values():
             if groups[0].world == 1 or len(groups) == 1:
                 parts = [[g] for g in groups]
             else:
                 parts = [groups]
             for part in parts:
-                nbytes = sum(g.reduce_bytes for g in part)
+                nbytes = sum(g.moved * g.reduce_itemsize for g in part)
                 for g in part:
                     self.flat_grad.pop(id(g), None)
                 if part[0].world > 1:
@@ -655,3 +673,67 @@ def hsdp_proposal(units: list[UnitInfo], step: Step, world: int,
         return None
     best["fsdp_bytes"] = fsdp
     return best
+
+
+# ------------------------------------------------------------- what NCCL sees
+# (latency per collective in seconds, bus bandwidth in bytes/s): a ring moves
+# (W-1)/W of an all-gather's output or a reduce-scatter's input per rank, and
+# twice that for an all-reduce. Defaults: NVLink within a node (H100/H200
+# class), InfiniBand NDR across nodes; tools.plan --alpha-us / --beta-gbs.
+ALPHA_BETA = {"nvlink": (10e-6, 300e9), "ib": (25e-6, 40e9)}
+
+
+def _estimate(calls: int, ag_rs_bytes: float, ar_bytes: float, world: int) -> dict:
+    ring = (world - 1) / world if world > 1 else 0.0
+    return {k: calls * a + (ag_rs_bytes + 2 * ar_bytes) * ring / b
+            for k, (a, b) in ALPHA_BETA.items()}
+
+
+def _fsdp2_numel(g: GroupInfo) -> int:
+    """The group's parameters as FSDP2 lays them out: each padded to a
+    multiple of W rows (torch.chunk on dim 0), in one all-gather per unit."""
+    W = g.world
+    return sum(-(-s.rows // W) * W * s.row_numel for s in g.layout.slots)
+
+
+def nccl_view(units: list[UnitInfo], step: "Step", padded: bool) -> dict:
+    """Per step: c10d calls and the NCCL operations they become, bytes,
+    collective padding and an alpha-beta estimate, for our layout and for
+    FSDP2's (one all-gather per unit gather, one reduce-scatter per unit
+    with gradients, each parameter padded to W rows) on the same schedule."""
+    c = step.comm
+    calls = c.all_gather_calls + c.reduce_scatter_calls + c.all_reduce_calls
+    groups = [g for u in units for g in u.groups]
+    world = max((g.world for g in groups), default=1)
+    # the list forms uneven pieces took before: one broadcast / reduce per rank
+    uneven = sum(step.gathers.get(id(g), 0) + (1 if g.trainable and g.world > 1 else 0)
+                 for g in groups if not g.even and g.world > 1)
+    ag_rs = c.all_gather_bytes + c.reduce_scatter_bytes
+    params = sum(sum(s.numel for s in g.layout.slots) * g.itemsize for g in groups)
+    moved_params = sum((step.gathers.get(id(g), 0) + (1 if g.trainable else 0))
+                       * sum(s.numel for s in g.layout.slots) * g.compute_itemsize
+                       for g in groups if g.world > 1 and not g.aliased)
+    f2_calls = f2_bytes = f2_params = 0
+    f2_rank = 0
+    for u in units:
+        comm = [g for g in u.groups if g.world > 1 and not g.aliased]
+        if not comm:
+            continue
+        gathers = max(step.gathers.get(id(g), 0) for g in comm)
+        f2_calls += gathers + (1 if any(g.trainable for g in comm) else 0)
+        f2_bytes += gathers * sum(_fsdp2_numel(g) * g.compute_itemsize for g in comm)
+        f2_bytes += sum(_fsdp2_numel(g) * g.reduce_itemsize for g in comm if g.trainable)
+        f2_params += sum(_fsdp2_numel(g) * g.itemsize for g in comm)
+        f2_rank += sum(_fsdp2_numel(g) // g.world * g.itemsize for g in comm)
+    return {
+        "collective_calls": calls,
+        "nccl_ops": calls if padded else calls + (world - 1) * uneven,
+        "nccl_ops_list_forms": calls + (world - 1) * uneven,
+        "collective_bytes": ag_rs + c.all_reduce_bytes,
+        "collective_padding_percent": 100 * (ag_rs / max(moved_params, 1) - 1),
+        "est_seconds": _estimate(calls, ag_rs, c.all_reduce_bytes, world),
+        "fsdp2": {"calls": f2_calls, "bytes": f2_bytes,
+                  "padding_percent": 100 * (f2_params / max(params, 1) - 1),
+                  "param_bytes": f2_rank,
+                  "est_seconds": _estimate(f2_calls, f2_bytes, 0, world)},
+    }

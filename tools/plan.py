@@ -252,7 +252,8 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         blocks = select_blocks(model, cfg.units)
         last = root_grads_last(model, blocks)
         shard(model, blocks, cfg, make_mesh(world, cfg.hsdp))
-        units = _planner.describe(unit_of(model), [unit_of(b) for b in blocks])
+        units = _planner.describe(unit_of(model), [unit_of(b) for b in blocks],
+                                  padded=cfg.schedule != "gloo")
     finally:
         dist.destroy_process_group()
     step = _planner.Step(units, schedule=cfg.schedule, prefetch_depth=cfg.prefetch_depth,
@@ -298,6 +299,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         "plan_seconds": round(time.perf_counter() - t0, 3),
     }
     row["hsdp_proposal"] = _planner.hsdp_proposal(units, step, world) if cfg.hsdp == 1 else None
+    row.update(_planner.nccl_view(units, step, cfg.schedule != "gloo"))
     return WorldPlan(row, ranks, step)
 
 
@@ -378,6 +380,29 @@ def describe_settings(cfg: PlanConfig) -> str:
     return f"{model}: " + ", ".join(bits)
 
 
+def _ms(s: float) -> str:
+    return f"{1e3 * s:,.1f} ms"
+
+
+NCCL_COLUMNS = [  # what NCCL sees per step, ours and FSDP2's layout (_planner.nccl_view)
+    ("world", lambda r: str(r["world_size"])),
+    ("ours: calls", lambda r: str(r["collective_calls"])),
+    ("NCCL ops", lambda r: f"{r['nccl_ops']:,}"),
+    ("(list forms)", lambda r: f"{r['nccl_ops_list_forms']:,}"),
+    ("bytes", lambda r: _size(r["collective_bytes"])),
+    ("padding", lambda r: f"{r['collective_padding_percent']:.2f}%"),
+    ("per rank", lambda r: f"{100 * (r['param_bytes'] / r['param_bytes_ideal'] - 1):+.1f}%"),
+    ("NVLink", lambda r: _ms(r["est_seconds"]["nvlink"])),
+    ("IB", lambda r: _ms(r["est_seconds"]["ib"])),
+    ("FSDP2: calls", lambda r: str(r["fsdp2"]["calls"])),
+    ("bytes ", lambda r: _size(r["fsdp2"]["bytes"])),
+    ("padding ", lambda r: f"{r['fsdp2']['padding_percent']:.2f}%"),
+    ("per rank ", lambda r: f"{100 * (r['fsdp2']['param_bytes'] / r['param_bytes_ideal'] - 1):+.1f}%"),
+    ("NVLink ", lambda r: _ms(r["fsdp2"]["est_seconds"]["nvlink"])),
+    ("IB ", lambda r: _ms(r["fsdp2"]["est_seconds"]["ib"])),
+]
+
+
 def format_plan(cfg: PlanConfig, rows: list[dict], plain: bool = False) -> str:
     cols = COLUMNS + ([HSDP_COLUMN] if cfg.hsdp > 1 else [])
     r0 = rows[0]
@@ -385,8 +410,19 @@ def format_plan(cfg: PlanConfig, rows: list[dict], plain: bool = False) -> str:
              f"{r0['units']} units; bytes per rank (the most-loaded rank), per step for "
              "collectives (bytes / calls)")
     text = _table(title, [h for h, _ in cols], [[f(r) for _, f in cols] for r in rows], plain)
+    from tools import _planner
+    a = _planner.ALPHA_BETA
+    nccl = _table("What NCCL sees per step (all-gathers, reduce-scatters and all-reduces): "
+                  "c10d calls, the NCCL operations they become (with the list forms that "
+                  "uneven pieces used to take), bytes, collective padding, the most-loaded "
+                  "rank vs total/N, and an alpha-beta estimate (NVLink: "
+                  f"{a['nvlink'][0] * 1e6:g} us + bytes / {a['nvlink'][1] / 1e9:g} GB/s; IB: "
+                  f"{a['ib'][0] * 1e6:g} us + bytes / {a['ib'][1] / 1e9:g} GB/s, ring); "
+                  "FSDP2's layout on the same units and schedule beside it",
+                  [h for h, _ in NCCL_COLUMNS], [[f(r) for _, f in NCCL_COLUMNS] for r in rows],
+                  plain)
     notes = [hsdp_warning(r) for r in rows if r.get("hsdp_proposal")]
-    return "\n".join([text, *notes])
+    return "\n".join([text, nccl, *notes])
 
 
 def hsdp_warning(r: dict) -> str:
@@ -484,6 +520,11 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--bucket-bytes", type=int, default=1 << 20,
                    help="all-gather and reduce-scatter bucket size (0: none)")
+    p.add_argument("--alpha-us", type=float, nargs=2, metavar=("NVLINK", "IB"), default=None,
+                   help="per-collective latency in microseconds for the estimate "
+                        "(default 10 and 25)")
+    p.add_argument("--beta-gbs", type=float, nargs=2, metavar=("NVLINK", "IB"), default=None,
+                   help="bus bandwidth in GB/s for the estimate (default 300 and 40)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -503,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args, worlds: list[int], schedule: str) -> PlanConfig:
+    from tools import _planner
+    for i, name in enumerate(("nvlink", "ib")):
+        alpha, beta = _planner.ALPHA_BETA[name]
+        if getattr(args, "alpha_us", None):
+            alpha = args.alpha_us[i] * 1e-6
+        if getattr(args, "beta_gbs", None):
+            beta = args.beta_gbs[i] * 1e9
+        _planner.ALPHA_BETA[name] = (alpha, beta)
     if args.optimizer == "muon" and args.shard_granularity != "tensor":
         raise SystemExit("plan: --optimizer muon needs --shard-granularity tensor (Muon needs "
                          "whole matrices; on row pieces its first step raises)")
