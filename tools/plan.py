@@ -1,4 +1,5 @@
-"""Plan a run before renting it: per-rank memory and traffic of a sharded model, from the model alone.
+"""Plan a run before renting it: per-rank memory and traffic of a sharded model,
+from the model alone.
 
     python -m tools.plan --model demo --dim 4096 --layers 32 --vocab 32000 --world-size 8 1024
     python -m tools.plan --model demo --world-size 2 4 --measure      # and check against real runs
