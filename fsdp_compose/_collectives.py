@@ -124,7 +124,7 @@ class ReduceScatterWork:
             self._work = None
             if self._finish is not None:
                 self.output, self._finish = self._finish(), None
-        return self.output
+        return self.output  # type: ignore[return-value]
 
 
 class Ready(ReduceScatterWork):
@@ -242,7 +242,7 @@ def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int, at,
     return ReduceScatterWork(_Works(works, at), None, finish)
 
 
-def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
+def all_reduce(tensor: torch.Tensor, op, group, what: tuple[str, str] | None = None,
                blocks_cpu: bool | None = None) -> None:
     """All-reduce ``tensor`` in place, ``async_op=False`` (norms, flags, HSDP
     gradient shards: on CUDA inside the stream manager's all-reduce stream).

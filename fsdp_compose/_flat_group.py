@@ -444,8 +444,9 @@ class FlatGroup:
         if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
             pf = self.post_forward
             self._alloc_flat()
-            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg,
-                                               (self.unit_fqn, _GATHER))
+            self._pending = streams.all_gather(
+                self.flat_data, self._pf_shard, pf.pg,  # type: ignore[arg-type, union-attr]
+                (self.unit_fqn, _GATHER))
             self.state = ShardedState.UNSHARDING
             return
         self.unsharded_version = self.shard._version
@@ -482,7 +483,7 @@ class FlatGroup:
     def _complete_gather(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""
         if self.state is ShardedState.UNSHARDING:
-            self._pending.wait()
+            self._pending.wait()  # type: ignore[union-attr]
             self._pending = None
             self._pf_shard = None
             self.state = ShardedState.UNSHARDED
@@ -522,7 +523,8 @@ class FlatGroup:
             self.install_sharded()
 
     def __repr__(self) -> str:
-        dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
+        dt = (str(self.dtype) if self.compute_dtype == self.dtype
+              else f"{self.dtype}->{self.compute_dtype}")
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.granularity}, {self.state.name})")
@@ -555,7 +557,7 @@ class _GatherBucketWork:
             g.flat_data.view(W, S).copy_(self._buf.view(W, -1)[:, at:at + S])
             if not self._at:
                 self._streams.release(self._buf)
-                self._buf = self._streams = None
+                self._buf = self._streams = None  # type: ignore[assignment]
         return True
 
     def flush(self) -> None:
@@ -581,7 +583,7 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     (``_GatherBucketWork``). Every group is UNSHARDING after it."""
     first = groups[0]
     W, total = first.world, sum(g.shard_numel for g in groups)
-    work = _GatherBucketWork(None, groups, None, streams)
+    work = _GatherBucketWork(None, groups, None, streams)  # type: ignore[arg-type]
     buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
     for g in groups:

@@ -28,7 +28,7 @@ def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
         if len(groups) == 1:
             groups[0].unshard(streams)  # (a no-op where nothing is to be gathered)
         elif groups[0].gathers_together(streams):
-            gather_together(groups, streams)
+            gather_together(groups, streams)  # type: ignore[arg-type]
         else:
             gather_bucket(groups, streams)
 
@@ -36,7 +36,7 @@ def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
 def _gather_buckets(units: list[Unit], streams: StreamManager,
                     bucket: bool) -> list[list[FlatGroup]]:
     if bucket:
-        by_key: dict[tuple, list[FlatGroup]] = {}
+        by_key: dict[tuple | None, list[FlatGroup]] = {}
         for u in units:
             for g in u.groups:
                 by_key.setdefault(g.gather_key(), []).append(g)
