@@ -1,13 +1,15 @@
-# `make test` and `make demo` work on a fresh clone: they create .venv, install
-# torch only if it is not importable (so a user's CUDA build is kept), install
-# this package (editable, with its test/demo extras), and run.
+# `make test`, `make demo` and `make lint` work on a fresh clone: they create
+# .venv, install torch only if it is not importable (so a user's CUDA build is
+# kept), install this package (editable, with its test/demo extras; `lint`
+# adds its lint extra), and run.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +21,16 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+$(LINT_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e ".[lint]"
+	@touch $(LINT_STAMP)
+
+# ruff on the code, mypy on the package (settings: pyproject.toml). mypy reads
+# torch's annotations: the venv's torch is the one type-checked against.
+lint: $(LINT_STAMP)
+	$(PY) -m ruff check fsdp_compose tests tools benchmarks
+	$(PY) -m mypy
 
 test: venv
 	$(PY) -m pytest -q tests

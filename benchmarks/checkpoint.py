@@ -186,7 +186,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{impl} {load_mode or ''}: no result (exit {p.returncode})")
         return json.loads(line[len("RESULT "):])["ranks"]
 
-    for rep in range(args.repeats):
+    for _rep in range(args.repeats):
         for impl in IMPLS:
             path = os.path.join(args.dir, impl)
             shutil.rmtree(path, ignore_errors=True)

@@ -184,7 +184,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['collective']:<15}{r['mib']:>8g} | {r['torch_wall_ms']:>10.2f}"
-                     f"{r['ours_wall_ms']:>10.2f}{r['wall_ratio']:>7.2f} | {r['torch_cpu_ms']:>10.2f}"
+                     f"{r['ours_wall_ms']:>10.2f}{r['wall_ratio']:>7.2f} | "
+                     f"{r['torch_cpu_ms']:>10.2f}"
                      f"{r['ours_cpu_ms']:>10.2f}{r['cpu_ratio']:>7.2f}")
     return "\n".join(lines)
 
@@ -195,7 +196,8 @@ def summary_line(rows: list[dict], world: int) -> str:
     for label in ("all-gather", "reduce-scatter"):
         r = next(r for r in rows if r["collective"] == label and r["mib"] == big)
         parts.append(f"{label} {r['torch_wall_ms']:.1f} -> {r['ours_wall_ms']:.1f} ms wall "
-                     f"({r['wall_ratio']:.2f}x), {r['torch_cpu_ms']:.1f} -> {r['ours_cpu_ms']:.1f} ms "
+                     f"({r['wall_ratio']:.2f}x), "
+                     f"{r['torch_cpu_ms']:.1f} -> {r['ours_cpu_ms']:.1f} ms "
                      f"CPU ({r['cpu_ratio']:.2f}x)")
     return f"{world} gloo ranks, {big:g} MiB, torch -> ours: " + "; ".join(parts)
 
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON output file")
     p.add_argument("--uneven-row", type=int, default=0, metavar="R",
                    help="also time uneven rank pieces of R-element rows against equal "
-                        "padded chunks (the 'uneven all-gather' rows: torch = equal, ours = uneven)")
+                        "padded chunks (the 'uneven all-gather' rows: torch = equal, "
+                        "ours = uneven)")
     args = p.parse_args(argv)
 
     cfg = {"sizes": args.sizes, "repeats": args.repeats, "threads": args.threads,

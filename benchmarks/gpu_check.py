@@ -610,7 +610,7 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
         ms = timer.ms()
         row = {"step_ms": _median(ms), "step_ms_each": ms,
                "tokens_per_s": batch * seq / (_median(ms) / 1e3), **mach.memory()}
-        syncs, how, sites = mach.count_syncs(lambda: runner.step(*next(it)))
+        syncs, how, sites = mach.count_syncs(lambda: runner.step(*next(it)))  # noqa: F821 (del below)
         row["host_syncs_per_step"], row["host_syncs_counted_by"] = syncs, how
         row["host_sync_sites"] = sites
         with profile(activities=[mach.activities()[0]]) as prof:  # CPU only: the hooks
@@ -860,7 +860,8 @@ def render_md(report: dict, dry: bool) -> str:
     lines = [f"# GPU check{' (dry run: CPU, small models, no GPU figure is real)' if dry else ''}",
              "", f"torch {env.get('torch', '?')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, "
              f"GPU {gpu.get('name', '-')} ({_fmt(gpu.get('free_mib'), 0)} of "
-             f"{_fmt(gpu.get('total_mib'), 0)} MiB free)", "", "| part | status | seconds | limit s |",
+             f"{_fmt(gpu.get('total_mib'), 0)} MiB free)", "",
+             "| part | status | seconds | limit s |",
              "|---|---|---|---|"]
     for key in PARTS:
         sec = report.get(key) if key != "trace" else (report.get("fake_pg") or {}).get("trace")
@@ -902,7 +903,8 @@ def render_md(report: dict, dry: bool) -> str:
                     continue
                 lines.append(
                     f"| {world} | {impl} | {_fmt(r.get('step_ms'), 2)} | "
-                    f"{_fmt(r.get('tokens_per_s'), 0)} | {_fmt(r.get('max_memory_allocated_mib'), 0)}"
+                    f"{_fmt(r.get('tokens_per_s'), 0)} | "
+                    f"{_fmt(r.get('max_memory_allocated_mib'), 0)}"
                     f" | {_fmt(r.get('max_memory_reserved_mib'), 0)} | "
                     f"{_fmt(r.get('hook_cpu_ms_per_step'), 2)} | "
                     f"{_fmt(r.get('host_syncs_per_step'))} |")

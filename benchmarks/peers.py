@@ -344,9 +344,9 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         if micro == 1 or impl == "local":
             return contextlib.nullcontext()
         if impl in ("fsdp_compose", "fsdp2"):
-            model.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(last)  # noqa: F821 (ruff: deleted at the end)
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if last else model.no_sync()  # DDP, FSDP1
+        return contextlib.nullcontext() if last else model.no_sync()  # noqa: F821 (DDP, FSDP1)
 
     # bf16 on DDP / local: autocast (fp32 weights, bf16 matmuls, fp32 gradients).
     autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
@@ -362,7 +362,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
             with sync_grads(k == micro - 1):
                 ta = time.perf_counter()
                 with autocast():
-                    out = model(xm)
+                    out = model(xm)  # noqa: F821
                 loss = F.mse_loss(out.float(), ym)  # bf16 outputs: the loss in fp32
                 if micro > 1:
                     loss = loss / micro  # equal chunks: the sum is the full batch's mean
@@ -372,8 +372,8 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
             fwd += tb - ta
             bwd += tc - tb
             total = loss.detach() if total is None else total + loss.detach()
-        optim.step()
-        optim.zero_grad()
+        optim.step()  # noqa: F821
+        optim.zero_grad()  # noqa: F821
         sync()
         t3 = time.perf_counter()
         phases = None if cuda else (fwd, bwd, t3 - t0 - fwd - bwd, time.process_time() - c0)
@@ -685,7 +685,8 @@ def settings_summary(rows: list, meta: dict) -> str:
     for shape_name, st, summ, par in rows:
         line = (f"   {shape_name:<9} {st:<13} {num(summ, OURS, 'step_ms', '.1f'):>9} "
                 f"{num(summ, 'fsdp2', 'step_ms', '.1f'):>9} {ratio(summ, 'fsdp2', 'step_ms'):>10} "
-                f"{num(summ, OURS, 'peak_mib', '.0f'):>9} {num(summ, 'fsdp2', 'peak_mib', '.0f'):>9} "
+                f"{num(summ, OURS, 'peak_mib', '.0f'):>9} "
+                f"{num(summ, 'fsdp2', 'peak_mib', '.0f'):>9} "
                 f"{ratio(summ, 'fsdp2', 'peak_mib'):>10}")
         if fsdp1:
             line += f" {ratio(summ, 'fsdp1', 'step_ms'):>12} {ratio(summ, 'fsdp1', 'peak_mib'):>12}"
@@ -1051,7 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
         _worker_entry(args._worker)
         return 0
     if min(args.world_size, args.repeats, args.threads) < 1 or \
-            (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+            (args.steps is not None and args.steps < 1) or \
+            (args.warmup is not None and args.warmup < 0):
         sys.exit("peers: --world-size, --repeats, --threads, --steps must be >= 1, --warmup >= 0")
     args.out = os.path.abspath(args.out)
     args.setting = list(dict.fromkeys(args.setting))  # in the order given, once each

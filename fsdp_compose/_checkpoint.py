@@ -270,11 +270,11 @@ def register_hooks(unit) -> None:
                     slots = state_dict_slots(m, create=True)
                     m.register_state_dict_post_hook(_state_dict_hook)
                     m.register_load_state_dict_pre_hook(_load_pre_hook)
-                slots[name] = (unit, g, e)
+                slots[name] = (unit, g, e)  # type: ignore[index]
 
 
 def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
-    for name, (_, g, e) in state_dict_slots(module).items():
+    for name, (_, g, e) in state_dict_slots(module).items():  # type: ignore[union-attr]
         key = prefix + name
         if key not in sd:
             continue
@@ -289,7 +289,7 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
 def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                    error_msgs) -> None:
     assign = bool(local_metadata.get("assign_to_params_buffers", False))
-    for name, (unit, g, e) in state_dict_slots(module).items():
+    for name, (unit, g, e) in state_dict_slots(module).items():  # type: ignore[union-attr]
         key = prefix + name
         if key not in sd:
             continue
@@ -414,9 +414,9 @@ def _merged_state_info(g, optim, ents) -> list[dict]:
     mine = _state_info(optim, ents)
     if g.world == 1:
         return mine
-    every = [None] * g.world
+    every: list = [None] * g.world
     dist.all_gather_object(every, [_portable(i) for i in mine], group=g.pg)
-    merged = [dict() for _ in ents]
+    merged: list[dict] = [dict() for _ in ents]
     for r in range(g.world):  # rank order: the same merge on every rank
         for m, info in zip(merged, every[r]):
             for k, v in info.items():
@@ -436,7 +436,7 @@ def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -
         for g in unit.groups:
             ents = [e for e in g.entries if e.sharded in in_optim]
             infos = _merged_state_info(g, optim, ents)
-            full = [dict() for _ in ents]
+            full: list[dict] = [dict() for _ in ents]
             keys: dict[str, torch.dtype] = {}
             for info in infos:
                 for k, (kind, v) in info.items():
@@ -503,7 +503,7 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
             continue
         g, e = SHARDED.get(p)
         old = old or {}
-        new = {}
+        new: dict = {}
         for k, (kind, v) in merged[pid].items():
             if kind == "piece":
                 piece = old.get(k)
@@ -534,7 +534,7 @@ def optim_state_from_dtensors(optim, osd: dict) -> dict:
         return osd
     state = dict(osd.get("state", {}))
     keyed = [(pid, p, SHARDED.get(p)) for pid, p in _keyed_params(optim, osd) if pid in state]
-    for pid, p, hit in keyed:  # every shape first: nothing is written if one is wrong
+    for pid, _p, hit in keyed:  # every shape first: nothing is written if one is wrong
         if hit is None:
             continue
         e = hit[1]
@@ -730,8 +730,9 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
     optim_values = [_full_optim_values(model, o, keep, cpu_offload) for o in optims]
     if not keep:
         return {}, {}
-    dest = OrderedDict()  # as state_dict() makes it, carrying the full tensors to the hook
-    dest._metadata = OrderedDict()
+    # as state_dict() makes it, carrying the full tensors to the hook
+    dest: OrderedDict = OrderedDict()
+    dest._metadata = OrderedDict()  # type: ignore[attr-defined]
     setattr(dest, _FULL_ATTR, values)
     try:
         msd = model.state_dict(destination=dest)
@@ -749,7 +750,7 @@ def get_state_dict(model: nn.Module, optimizers, *, full_state_dict: bool = Fals
 
 
 def _merge(osds: list[dict]) -> dict:
-    out = {"state": {}, "param_groups": []}
+    out: dict[str, Any] = {"state": {}, "param_groups": []}
     for osd in osds:
         out["state"].update(osd["state"])
         out["param_groups"].extend(osd["param_groups"])

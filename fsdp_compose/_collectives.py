@@ -141,7 +141,7 @@ class ReduceScatterWork:
             self._work = None
             if self._finish is not None:
                 self.output, self._finish = self._finish(), None
-        return self.output
+        return self.output  # type: ignore[return-value]
 
 
 class Ready(ReduceScatterWork):
@@ -186,7 +186,8 @@ def _staging_blocks(bounds: tuple, slot: int, row: int, at: int) -> tuple[int, t
     at column ``at`` (see the Note); blocks of ``U`` elements."""
     W = len(bounds) - 1
     unit = math.gcd(slot, row, at, *bounds)
-    src, pad = [], []
+    src: list[int] = []
+    pad: list[int] = []
     for r in range(W):
         first = (r * row + at) // unit
         n = (bounds[r + 1] - bounds[r]) // unit
@@ -301,11 +302,12 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     the padded ones). ``padded``: the group's own decision (None: by the backend)."""
     padded = bounds is not None and (pads(group, output.device) if padded is None else padded)
     _stats().all_gather_calls += 1
-    _stats().all_gather_bytes += (_nbytes(output) if not padded else
-                                  (len(bounds) - 1) * staging_slot(bounds) * output.element_size())
     at = _divergence.next_op(group)
-    if padded:
+    if padded and bounds is not None:
+        _stats().all_gather_bytes += (len(bounds) - 1) * staging_slot(bounds) \
+            * output.element_size()
         return _padded_all_gather(output, shard, group, async_op, bounds, at)
+    _stats().all_gather_bytes += _nbytes(output)
     gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
         work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
@@ -332,12 +334,12 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     padded = bounds is not None and (pads(group, flat_grad.device) if padded is None
                                      else padded)
     _stats().reduce_scatter_calls += 1
-    _stats().reduce_scatter_bytes += (_nbytes(flat_grad) if not padded else
-                                      (len(bounds) - 1) * staging_slot(bounds)
-                                      * flat_grad.element_size())
     at = _divergence.next_op(group)
-    if padded:
+    if padded and bounds is not None:
+        _stats().reduce_scatter_bytes += (len(bounds) - 1) * staging_slot(bounds) \
+            * flat_grad.element_size()
         return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, at)
+    _stats().reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = (_in_place_gloo(flat_grad, group) if bounds is None
             else _uneven_in_place(group, flat_grad))
     if gloo is None:
@@ -382,7 +384,7 @@ def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int, at,
     return ReduceScatterWork(_Works(works, at), None, finish)
 
 
-def all_reduce(tensor: torch.Tensor, op, group, what: tuple | None = None,
+def all_reduce(tensor: torch.Tensor, op, group, what: tuple[str, str] | None = None,
                blocks_cpu: bool | None = None) -> None:
     """All-reduce ``tensor`` in place, ``async_op=False`` (norms, flags, HSDP
     gradient shards: on CUDA inside the stream manager's all-reduce stream).

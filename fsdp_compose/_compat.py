@@ -100,7 +100,7 @@ def reentrant_checkpoint_region() -> int | None:
     while frame is not None:
         if frame.f_code is _REENTRANT_FORWARD:
             return id(frame.f_locals.get("ctx", frame))
-        frame = frame.f_back
+        frame = frame.f_back  # type: ignore[assignment]
     return None
 
 
@@ -160,10 +160,10 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> A
                     object.__setattr__(new, f.name, tree_map_tensors(fn, getattr(x, f.name)))
             return new
         if isinstance(x, dict):
-            new = copy.copy(x)
+            copied = copy.copy(x)
             for k, v in x.items():
-                new[k] = tree_map_tensors(fn, v)
-            return new
+                copied[k] = tree_map_tensors(fn, v)
+            return copied
         return x
 
     return _pytree.tree_map(leaf, tree)
@@ -217,7 +217,7 @@ def guard_torch_clip_helper(check: Callable[[Any], None]) -> Callable[[], None] 
         check(parameters)
         return helper(parameters, max_norm, total_norm, foreach)
 
-    guarded._fsdp_compose_guard = True
+    guarded._fsdp_compose_guard = True  # type: ignore[attr-defined]
     clip_grad._clip_grads_with_norm_ = guarded
 
     def undo():

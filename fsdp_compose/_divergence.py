@@ -53,6 +53,7 @@ import time
 import weakref
 import zlib
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,7 @@ def next_op(group) -> tuple:
         settle()
     name = j.names.get(group)
     if name is None:
-        name = j.names[group] = (group if group is not None else dist.group.WORLD).group_name
+        name = j.names[group] = (group if group is not None else dist.group.WORLD).group_name  # type: ignore[union-attr]
     at = j.positions.get(name, 0) + 1
     j.positions[name] = at
     return name, at
@@ -322,7 +323,8 @@ def _first_line(e: BaseException) -> str:
 
 def collective_error(fqn: str, what: str, e: CollectiveStopped) -> DivergenceError:
     """``e`` as the error of unit ``fqn`` waiting for ``what``."""
-    return unit_error(fqn, f"waiting for {what}, which did not complete: {e.reason}.",
+    return unit_error(fqn,  # type: ignore[return-value]
+                      f"waiting for {what}, which did not complete: {e.reason}.",
                       _FIX, exc=DivergenceError)
 
 
@@ -388,7 +390,7 @@ class StepChecks:
         # this rank began last (for a peer's error)
         self.gloo = all(device.type != "cuda" for _, _, device in self.pgs)
         self.issued = 0
-        self._began = lambda: []
+        self._began: Callable[[], list] = lambda: []
         self._pending: tuple | None = None  # a step check issued, not compared (settle)
         self.prefix: str | None = None
         self.stopped: str | None = None  # this process's record, if it stopped on this root
@@ -472,7 +474,7 @@ class StepChecks:
         post where this rank is (its check's number, its position in every
         group, what it began) for the ranks blocked elsewhere; returns also
         the function that takes the post back once the check completed."""
-        posted = []
+        posted: list = []
 
         def stuck():
             if posted:
@@ -633,7 +635,7 @@ class StepChecks:
                 continue
             issued.append((dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True),
                            t, check))
-        arrived = (rt, rt.current_stream().record_event()) if unread else None
+        arrived = (rt, rt.current_stream().record_event()) if unread else None  # type: ignore[union-attr]
         if defer:  # see settle
             self._pending = (issued, unread, arrived, vec, lines)
             job().unsettled = self._ref
@@ -670,7 +672,7 @@ class StepChecks:
                 take_back()
             results = [(t.tolist(), check) for _, t, check in issued]
         if unread:
-            self._wait_event(*arrived, vec)
+            self._wait_event(*arrived, vec)  # type: ignore[call-arg]
             results += [(host.tolist(), check) for host, check in unread]
         self._compare(results)
 

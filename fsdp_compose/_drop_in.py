@@ -29,8 +29,8 @@ def use_as_fsdp2(enable: bool = True) -> None:
     if enable:
         for home in homes:
             _SAVED.setdefault(home.__name__, home.fully_shard)
-            home.fully_shard = fully_shard
+            home.fully_shard = fully_shard  # type: ignore[attr-defined]
     else:
         for home in homes:
             if home.__name__ in _SAVED:
-                home.fully_shard = _SAVED.pop(home.__name__)
+                home.fully_shard = _SAVED.pop(home.__name__)  # type: ignore[attr-defined]

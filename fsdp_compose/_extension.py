@@ -35,7 +35,8 @@ from ._streams import StreamManager
 
 
 def defines_extension(t: torch.Tensor) -> bool:
-    """``t``'s class (or, for a DTensor, its local tensor's) defines FSDP2's all-gather extension."""
+    """``t``'s class (or, for a DTensor, its local tensor's) defines FSDP2's
+    all-gather extension."""
     if isinstance(t, DTensor):
         with torch.no_grad():
             t = t.to_local()
@@ -45,15 +46,16 @@ def defines_extension(t: torch.Tensor) -> bool:
 
 def rebuild(template: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     """An instance of ``template``'s subclass, with its metadata, around ``data``."""
-    names, meta = template.__tensor_flatten__()
+    names, meta = template.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = {n: getattr(template, n) for n in names}
     inner[_data_name(template)] = data
-    return type(template).__tensor_unflatten__(inner, meta, data.shape, data.stride())
+    return type(template).__tensor_unflatten__(  # type: ignore[attr-defined]
+        inner, meta, data.shape, data.stride())
 
 
 def _arity(t: torch.Tensor) -> int:
     """Arguments of ``t.fsdp_pre_all_gather`` (bound: without self)."""
-    return len(inspect.signature(t.fsdp_pre_all_gather).parameters)
+    return len(inspect.signature(t.fsdp_pre_all_gather).parameters)  # type: ignore[attr-defined]
 
 
 def check_params(label: str, params: list, *, mesh, post_forward_size, granularity: str) -> None:
@@ -202,7 +204,7 @@ class ExtensionGroup(FlatGroup):
         self.flat.requires_grad_(self.requires_grad)
         self.flat_data = self.flat.data
         self._hook_flat()
-        e.unsharded = None
+        e.unsharded = None  # type: ignore[assignment]
         self.split_node = None
 
     def _copy_attrs(self, e, p: torch.Tensor) -> None:
@@ -284,10 +286,11 @@ class ExtensionGroup(FlatGroup):
             if self.offload:
                 local = local.to(self.device, non_blocking=True)
             if self._arity == 1:
-                inputs, self._metadata = local.fsdp_pre_all_gather(self.mesh)
+                inputs, self._metadata = local.fsdp_pre_all_gather(self.mesh)  # type: ignore[attr-defined]
             else:
-                inputs, self._metadata = local.fsdp_pre_all_gather(
-                    self.mesh, e.shape, _layout.contiguous_stride(e.shape), self._module, self._torch_mp)
+                inputs, self._metadata = local.fsdp_pre_all_gather(  # type: ignore[attr-defined]
+                    self.mesh, e.shape, _layout.contiguous_stride(e.shape), self._module,
+                    self._torch_mp)
         inputs = list(inputs)
         padded = torch.Size((self.layout.chunk // max(1, math.prod(e.shape[1:])),)
                             + tuple(e.shape[1:]))
@@ -304,7 +307,8 @@ class ExtensionGroup(FlatGroup):
             self._in_sizes, self._in_dtypes = sizes, dtypes
         elif sizes != self._in_sizes or dtypes != self._in_dtypes:
             raise unit_error(self.unit_fqn, f"parameter '{e.fqn}': fsdp_pre_all_gather returned "
-                             f"{list(zip(sizes, dtypes))}, but {list(zip(self._in_sizes, self._in_dtypes))} "
+                             f"{list(zip(sizes, dtypes))}, but "
+                             f"{list(zip(self._in_sizes, self._in_dtypes))} "  # type: ignore[arg-type]
                              "at the first gather; the all-gather buffers are reused, so they "
                              "must not change.")
         return inputs
@@ -312,7 +316,7 @@ class ExtensionGroup(FlatGroup):
     def _alloc_outputs(self) -> list[torch.Tensor]:
         if self._outputs is None:
             self._outputs = [torch.empty(s.numel() * self.world, dtype=d, device=self.device)
-                             for s, d in zip(self._in_sizes, self._in_dtypes)]
+                             for s, d in zip(self._in_sizes, self._in_dtypes)]  # type: ignore[arg-type]
             self._storage = [(t, t.untyped_storage().nbytes()) for t in self._outputs]
         else:
             for t, nbytes in self._storage:
@@ -331,22 +335,25 @@ class ExtensionGroup(FlatGroup):
 
     def _post_all_gather(self) -> None:
         e = self.entries[0]
-        outs = tuple(o.view(-1, *s[1:]) for o, s in zip(self._outputs, self._in_sizes))
+        outs = tuple(o.view(-1, *s[1:])
+                     for o, s in zip(self._outputs, self._in_sizes))  # type: ignore[arg-type]
         with torch.no_grad():
             local = _compat.dtensor_local(e.sharded)
             if self._full is None:
-                result = local.fsdp_post_all_gather(outs, self._metadata, self.compute_dtype)
+                result = local.fsdp_post_all_gather(  # type: ignore[attr-defined]
+                    outs, self._metadata, self.compute_dtype)
                 unsharded, inner = result
                 if unsharded.shape != e.shape or not unsharded.is_contiguous():
                     # padded outputs: the parameter's rows, as FSDP2 cuts them
-                    unsharded = torch.as_strided(unsharded, e.shape, _layout.contiguous_stride(e.shape),
-                                                 0)
+                    unsharded = torch.as_strided(unsharded, e.shape,
+                                                 _layout.contiguous_stride(e.shape), 0)
                 self._full = unsharded
                 known = {id(t) for t, _ in self._storage}
                 self._storage += [(t, t.untyped_storage().nbytes()) for t in inner
                                   if id(t) not in known]
             else:
-                local.fsdp_post_all_gather(outs, self._metadata, self.compute_dtype,
+                local.fsdp_post_all_gather(outs, self._metadata,  # type: ignore[attr-defined]
+                                           self.compute_dtype,
                                            out=self._full)
         self._metadata = None
         e.unsharded = self._full  # (a grad-enabled forward's views replace it: refresh_views)
@@ -361,9 +368,9 @@ class ExtensionGroup(FlatGroup):
         if self._trains[0] and torch.is_grad_enabled():
             e.unsharded = _Unsharded.apply(self.flat, self)
             self.split_node = e.unsharded.grad_fn
-            self.split_node.register_prehook(self._split_prehook)
+            self.split_node.register_prehook(self._split_prehook)  # type: ignore[union-attr]
         else:
-            e.unsharded = self._full
+            e.unsharded = self._full  # type: ignore[assignment]
             self.split_node = None
         self._views_installed = False
         self._views_stale = False
@@ -440,7 +447,7 @@ class _TogetherWork:
         for dst, at, width in spans:
             dst.view(W, width).copy_(self._recv[:, at:at + width])
         if not self._at:
-            self._recv = None
+            self._recv = None  # type: ignore[assignment]
 
 
 class _Part:

@@ -41,10 +41,10 @@ group is ``GATHERED``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -104,11 +104,47 @@ class GroupSpec:
     mode: FlatMode | None = None              # see [Note: world size 1]
 
 
+_T = TypeVar("_T", covariant=True)
+
+
+class _SpecField(Protocol[_T]):
+    """What a type checker sees of a ``_spec_field``: reading gives a ``_T``,
+    assigning is refused."""
+
+    def __get__(self, group: object, owner: object = None) -> _T: ...
+    def __set__(self, group: object, value: NoReturn) -> None: ...
+
+
+def _spec_field(name: str) -> Any:
+    """``group.<name>`` reads ``group.spec.<name>``; read-only (a property
+    without a setter), and no Python frame per read (an ``attrgetter``)."""
+    return property(attrgetter(f"spec.{name}"))
+
+
 class FlatGroup:
     """One group's storage (see the module docstring). ``state``: SHARDED or
     PARTIAL -> UNSHARDING (``unshard`` or ``gather_bucket`` issued the
     all-gather; UNSHARDED at once where nothing is gathered) -> UNSHARDED
     (``wait_for_unshard``) -> SHARDED or PARTIAL (``reshard``)."""
+
+    # the spec's fields, read as the group's own (``g.world``, ``g.dtype``, ...);
+    # the dtypes and the mode are set in __init__, before any read
+    mesh: _SpecField[Any] = _spec_field("mesh")
+    pg: _SpecField[Any] = _spec_field("pg")
+    rs_pg: _SpecField[Any] = _spec_field("rs_pg")
+    replicate_pg: _SpecField[Any] = _spec_field("replicate_pg")
+    world: _SpecField[int] = _spec_field("world")
+    rank: _SpecField[int] = _spec_field("rank")
+    replicas: _SpecField[int] = _spec_field("replicas")
+    post_forward: _SpecField[PostForward | None] = _spec_field("post_forward")
+    offload: _SpecField[bool] = _spec_field("offload")
+    pin_memory: _SpecField[bool] = _spec_field("pin_memory")
+    granularity: _SpecField[str] = _spec_field("granularity")
+    mesh_device: _SpecField[torch.device] = _spec_field("mesh_device")
+    dtype: _SpecField[torch.dtype] = _spec_field("dtype")
+    compute_dtype: _SpecField[torch.dtype] = _spec_field("compute_dtype")
+    reduce_dtype: _SpecField[torch.dtype] = _spec_field("reduce_dtype")
+    mode: _SpecField[FlatMode] = _spec_field("mode")
 
     def __init__(self, unit_fqn: str, params: list, *, device: torch.device,
                  world: int, rank: int, pg, rs_pg,
@@ -411,8 +447,9 @@ class FlatGroup:
         if self.state is ShardedState.PARTIAL:  # gather within the post-forward group
             pf = self.post_forward
             self._alloc_flat()
-            self._pending = streams.all_gather(self.flat_data, self._pf_shard, pf.pg,
-                                               (self.unit_fqn, _GATHER))
+            self._pending = streams.all_gather(
+                self.flat_data, self._pf_shard, pf.pg,  # type: ignore[arg-type, union-attr]
+                (self.unit_fqn, _GATHER))
             self.state = ShardedState.UNSHARDING
             return
         self.unsharded_version = self.shard._version
@@ -467,7 +504,7 @@ class FlatGroup:
     def _complete_gather(self) -> None:
         """UNSHARDING -> UNSHARDED: wait for the all-gather (no-op otherwise)."""
         if self.state is ShardedState.UNSHARDING:
-            self._pending.wait()
+            self._pending.wait()  # type: ignore[union-attr]
             self._pending = None
             self._pf_shard = None
             self.state = ShardedState.UNSHARDED
@@ -507,16 +544,11 @@ class FlatGroup:
             self.install_sharded()
 
     def __repr__(self) -> str:
-        dt = str(self.dtype) if self.compute_dtype == self.dtype else f"{self.dtype}->{self.compute_dtype}"
+        dt = (str(self.dtype) if self.compute_dtype == self.dtype
+              else f"{self.dtype}->{self.compute_dtype}")
         return (f"FlatGroup({self.unit_fqn!r}, {dt}, requires_grad={self.requires_grad}, "
                 f"params={len(self.entries)}, numel={self.padded_numel}, shard={self.shard_numel}, "
                 f"{self.granularity}, {self.state.name})")
-
-
-# the spec's fields, read as the group's own (``g.world``, ``g.dtype``, ...)
-for _field in fields(GroupSpec):
-    setattr(FlatGroup, _field.name, property(attrgetter(f"spec.{_field.name}")))
-del _field
 
 
 class _GatherBucketWork:
@@ -550,7 +582,7 @@ class _GatherBucketWork:
                 _collectives.unpack(g.flat_data, self._buf, g.gather_bounds, S, self._row, at)
             if not self._at:
                 self._streams.release(self._buf)
-                self._buf = self._streams = None
+                self._buf = self._streams = None  # type: ignore[assignment]
         return True
 
     def flush(self) -> None:
@@ -577,7 +609,7 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     Every group is UNSHARDING after it."""
     first = groups[0]
     W, total = first.world, sum(g.slot for g in groups)
-    work = _GatherBucketWork(None, groups, None, streams)
+    work = _GatherBucketWork(None, groups, None, streams)  # type: ignore[arg-type]
     buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
     for g in groups:

@@ -114,7 +114,8 @@ def merged(old: ForwardOrder | None, new: ForwardOrder) -> ForwardOrder:
             r = new.region[n]
             if r >= 0 and r not in old_label:
                 old_label[r], fresh = fresh, fresh + 1
-            out.append(new.pre[n], new.units[n], new.flag[n], old_label.get(r, -1) if r >= 0 else -1)
+            out.append(new.pre[n], new.units[n], new.flag[n],
+                       old_label.get(r, -1) if r >= 0 else -1)
         if k < len(old):
             out.append(old.pre[k], old.units[k], old.flag[k], old.region[k])
     return out

@@ -94,8 +94,8 @@ class ForwardTracker:
         else:
             follow = learned
         agree = ctx.settings.forward_order_dynamic or follow.learning()
-        self.walk = _Walk(ForwardOrder() if agree else follow.order, agree, ctx.record.clock,
-                          learned)
+        self.walk = _Walk(ForwardOrder() if agree else follow.order,  # type: ignore[arg-type]
+                          agree, ctx.record.clock, learned)
 
     def record_forward(self, unit: Unit) -> bool:
         """``unit``'s forward starts. Returns whether to all-gather it now

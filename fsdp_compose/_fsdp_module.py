@@ -9,6 +9,7 @@ it here: ``add_forward_hooks`` and ``make_fsdp_module``.
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -36,11 +37,12 @@ class FSDPModule(_TorchFSDPModule):
         return object.__new__(cls)
 
     def _unit(self) -> Unit:
-        return unit_of(self)
+        return unit_of(self)  # type: ignore[arg-type, return-value]
 
     def _units(self, recurse: bool) -> list[Unit]:
         """This module's unit and, with ``recurse``, every unit below it."""
-        found = (unit_of(m) for m in (self.modules() if recurse else [self]))
+        me = cast(nn.Module, self)  # (a mixin: the instance is the module)
+        found = (unit_of(m) for m in (me.modules() if recurse else [me]))
         return list(dict.fromkeys(u for u in found if u is not None))
 
     def _root_setting(self, where: str, **changes) -> None:
@@ -63,12 +65,12 @@ class FSDPModule(_TorchFSDPModule):
         see [Note: casts after fully_shard]."""
         global _APPLYING
         if _APPLYING:  # inside an outer module's _apply, which adopts the result
-            return super(_TorchFSDPModule, self)._apply(fn, recurse)  # (not torch's FSDP2 one)
+            return super(_TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]  # (not FSDP2's)
         units = self._units(recurse)
         _before_apply(units)
         _APPLYING = True
         try:
-            out = super(_TorchFSDPModule, self)._apply(fn, recurse)
+            out = super(_TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         except BaseException:
             _register_sharded(units)
             raise
@@ -85,7 +87,7 @@ class FSDPModule(_TorchFSDPModule):
                          "an EMA copy, then shard both), or build and shard a new model and load "
                          "fsdp_compose.get_state_dict(model, ...) into it.", exc=TypeError)
 
-    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":  # type: ignore[override]
         """All-gather this unit's parameters and install full-shape views.
 
         With ``async_op=True`` returns a handle whose ``wait()`` completes it.
@@ -107,7 +109,8 @@ class FSDPModule(_TorchFSDPModule):
         unit.keep(Kept.NO)
         unit.reshard()
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(  # type: ignore[override]
+            self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether to free the parameters after forward (True) or keep them for backward."""
         for u in self._units(recurse):
             u.update_settings(reshard_after_forward=bool(reshard_after_forward))
@@ -160,7 +163,8 @@ class FSDPModule(_TorchFSDPModule):
         microbatch's backward (its end makes every ``p.grad`` final)."""
         self._root_setting("set_is_last_backward", is_last_backward=bool(is_last_backward))
 
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_forward_prefetch(  # type: ignore[override]
+            self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's forward starts.
 
         Overrides the default (the next ``prefetch_depth`` units of the last
@@ -169,7 +173,8 @@ class FSDPModule(_TorchFSDPModule):
         self._unit().update_settings(
             forward_prefetch=_units_of(modules, "set_modules_to_forward_prefetch"))
 
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_backward_prefetch(  # type: ignore[override]
+            self, modules: list[nn.Module]) -> None:
         """All-gather these sharded modules' units when this one's backward starts.
 
         Backward all-gathers keep their rank-independent order: prefetching
@@ -336,7 +341,8 @@ class FSDPModule(_TorchFSDPModule):
 
 
 def _unsupported(module, what: str, why: str) -> NotImplementedError:
-    return unit_error(module._unit().fqn, f"{what} is not supported by fsdp_compose: {why}",
+    return unit_error(module._unit().fqn,  # type: ignore[return-value]
+                      f"{what} is not supported by fsdp_compose: {why}",
                       "Leave it unset; the default path is the one this library optimises.",
                       exc=NotImplementedError)
 

@@ -9,7 +9,7 @@ The first forward then makes a root (_state.py, ``lazy_init_root``).
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, overload
+from typing import Any, Iterable, overload
 
 import torch
 import torch.distributed as dist
@@ -130,8 +130,7 @@ def _reduce_scatter_group(pg):
     """
     if dist.get_world_size(pg) == 1:
         return pg
-    key = dist.get_process_group_ranks(pg)
-    key = (tuple(key), dist.get_backend(pg))
+    key = (tuple(dist.get_process_group_ranks(pg)), dist.get_backend(pg))
     groups = job().rs_groups
     if key not in groups:
         world = key[0] == tuple(range(dist.get_world_size()))
@@ -158,10 +157,12 @@ def _build_groups(params: list, label: str, device, mesh: DeviceMesh, mp_policy,
     for item in params:
         p = item[0]
         # a parameter whose class defines the all-gather extension: a group of its own
-        key = ("extension", id(p)) if _extension.defines_extension(p) else (p.dtype, p.requires_grad)
+        key = (("extension", id(p)) if _extension.defines_extension(p)
+               else (p.dtype, p.requires_grad))
         by_key.setdefault(key, []).append(item)
     shard_dim = mesh.ndim - 1
-    world, rank, pg = mesh.size(shard_dim), mesh.get_local_rank(shard_dim), mesh.get_group(shard_dim)
+    world, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    pg = mesh.get_group(shard_dim)
     replicate_pg = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
     rs_pg = _reduce_scatter_group(pg)
     post_forward = _post_forward_group(pg, post_forward_size) if post_forward_size else None
@@ -215,14 +216,16 @@ def _check_policies(label: str, mp_policy, offload_policy):
     return mp_policy, offload
 
 
-def _check_reshard_after_forward(label: str, raf, shard_world: int):
+def _check_reshard_after_forward(label: str, raf,
+                                 shard_world: int) -> tuple[bool | None, int | None]:
     """Returns (bool | None, N or None): N when parameters reshard to N-rank groups."""
     if raf is None or isinstance(raf, bool):
         return raf, None
     if not isinstance(raf, int) or raf < 1 or shard_world % raf != 0:
         raise unit_error(label, f"reshard_after_forward={raf!r} must be a bool, None, or an int "
                          f"that divides the shard world size {shard_world}.",
-                         f"Use one of {[d for d in range(1, shard_world + 1) if shard_world % d == 0]}"
+                         "Use one of "
+                         f"{[d for d in range(1, shard_world + 1) if shard_world % d == 0]}"
                          " (e.g. the number of ranks per node).", exc=ValueError)
     if raf == 1:
         return False, None
@@ -253,7 +256,7 @@ def fully_shard(module: nn.Module, **kw) -> nn.Module: ...
 def fully_shard(module: list[nn.Module], **kw) -> list[nn.Module]: ...
 
 
-def fully_shard(module, *, mesh: DeviceMesh | None = None,
+def fully_shard(module, *, mesh: DeviceMesh | None = None,  # type: ignore[misc]
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: OffloadPolicy | None = None,
@@ -412,6 +415,6 @@ def param_info(param: torch.Tensor):
                          "model.parameters() after fully_shard, while the model is sharded.")
     g, e = hit
     rank_bytes = tuple(n * g.dtype.itemsize for n in g.layout.rank_numel())
-    tp = (e.tp.placements, e.tp.shape) if e.tp is not None else (None, None)
+    tp: tuple[Any, Any] = (e.tp.placements, e.tp.shape) if e.tp is not None else (None, None)
     return ParamInfo(e.fqn, e.shape, e.local_range, g.unit_fqn, *tp, rows=e.rows,
                      granularity=g.granularity, rank_bytes=rank_bytes)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ class TakenGrad:
     post: float | None        # to divide by after the SUM (see _divide_factors)
 
     @property
-    def op(self) -> dist.ReduceOp:
+    def op(self) -> dist.ReduceOp.RedOpType:
         return dist.ReduceOp.AVG if self.pre is None else dist.ReduceOp.SUM
 
 
@@ -129,7 +129,8 @@ class _GradLaunch:
     post_divide: float | None = None
     span: tuple[int, int] | None = None  # this group's part of a bucket's output
     bucket: torch.Tensor | None = None   # the input, from streams.bucket (released once waited)
-    fold_bucket: object = None  # folds every launch of the shared reduce-scatter (_fold_all)
+    # folds every launch of the shared reduce-scatter (_fold_all)
+    fold_bucket: Callable[[torch.Tensor], None] | None = None
     done: bool = field(default=False)
     folded: bool = field(default=False)
 
@@ -141,7 +142,7 @@ class _GradLaunch:
 
     def finish(self) -> None:
         if not self.done:
-            out = self.pending.wait()
+            out = self.pending.wait()  # type: ignore[union-attr]
             self.pending = None  # (it holds the flat gradient: it goes now)
             if self.bucket is not None:
                 self.streams.release(self.bucket)
@@ -171,14 +172,14 @@ def _fold_all(launches: list[_GradLaunch]):
             return
         for launch in launches:
             launch.used.wait()
-        sums = [launch.path._hsdp_sum(out[launch.span[0]:launch.span[1]], launch.used,
-                                       launch.streams) for launch in launches]
+        sums = [launch.path._hsdp_sum(out[launch.span[0]:launch.span[1]],  # type: ignore[index]
+                                       launch.used, launch.streams) for launch in launches]
         if all(sums):
-            first.path._hsdp_all_reduce(out[:launches[-1].span[1]], first.used,
+            first.path._hsdp_all_reduce(out[:launches[-1].span[1]], first.used,  # type: ignore[index]
                                          first.post_divide, first.streams)
         for launch, summed in zip(launches, sums):
             if summed and not all(sums):
-                lo, hi = launch.span
+                lo, hi = launch.span  # type: ignore[misc]
                 launch.path._hsdp_all_reduce(out[lo:hi], launch.used, launch.post_divide,
                                               launch.streams)
             if summed:
@@ -459,8 +460,8 @@ class GradientPath:
         blocks = streams.waits_block_cpu  # (on CUDA: issued on the all-reduce stream)
         _collectives.all_reduce(out, op, g.replicate_pg, what, blocks)  # (inline: flags too)
         if not used.inline:
-            _collectives.all_reduce(used.counts, dist.ReduceOp.SUM, g.replicate_pg, what,
-                                    blocks)
+            _collectives.all_reduce(used.counts,  # type: ignore[arg-type]
+                                    dist.ReduceOp.SUM, g.replicate_pg, what, blocks)
 
     def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
         """Add this reduction into p.grad, see [Note: parameters without a gradient].

@@ -28,7 +28,7 @@ def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
         if len(groups) == 1:
             groups[0].unshard(streams)  # (a no-op where nothing is to be gathered)
         elif groups[0].gathers_together(streams):
-            gather_together(groups, streams)
+            gather_together(groups, streams)  # type: ignore[arg-type]
         else:
             gather_bucket(groups, streams)
 
@@ -36,7 +36,7 @@ def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
 def _gather_buckets(units: list[Unit], streams: StreamManager,
                     bucket: bool) -> list[list[FlatGroup]]:
     if bucket:
-        by_key: dict[tuple, list[FlatGroup]] = {}
+        by_key: dict[tuple | None, list[FlatGroup]] = {}
         for u in units:
             for g in u.groups:
                 by_key.setdefault(g.gather_key(), []).append(g)
@@ -54,6 +54,7 @@ def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> l
     ``bucket_key`` share one collective; else (one unit) each group alone,
     but for the unit's extension groups (float8 weights) and padded uneven
     groups, which share one per key (never one collective per weight)."""
+    paths: list[list] = []
     if bucket:
         by_key: dict[tuple, list] = {}
         for u in units:
@@ -62,7 +63,7 @@ def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> l
         paths = list(by_key.values())
     else:
         (unit,) = units
-        paths, shared = [], {}
+        shared: dict[tuple, list] = {}
         for g in unit.trainable:
             if g.shares_reduce():
                 key = g.grad.bucket_key()

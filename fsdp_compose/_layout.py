@@ -150,7 +150,7 @@ class Layout:
                 sizes.append(self.offsets[i] - at)  # padding
             view_at[i] = len(sizes)
             sizes.append(self.slots[i].numel)
-            at = max(at, self.offsets[i] + self.slots[i].numel)  # (an empty slot may share an offset)
+            at = max(at, self.offsets[i] + self.slots[i].numel)  # (empty slots share offsets)
         if self.numel > at:
             sizes.append(self.numel - at)  # tail padding
         return sizes, view_at
@@ -397,6 +397,7 @@ def _uneven(slots: tuple[Slot, ...], world: int, align: int,
             best = (score, c, bounds)
         if score[0] <= (sum(loads) + c.end) // world + c.max_step:
             break  # within a row of the even share: no rotation can do much better
+    assert best is not None  # (rotation 0 always fits the limit it was searched for)
     _, c, bounds = best
     chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
     numel = max(_ceil_to(c.end, world * align), world * align)

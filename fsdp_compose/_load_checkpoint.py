@@ -120,7 +120,7 @@ def load_checkpoint(model: nn.Module, optimizers, checkpoint_id=None, *, storage
     optims = _as_list(optimizers)
     where = str(checkpoint_id) if checkpoint_id is not None else type(storage_reader).__name__
     fresh = [o for o in optims if not o.state]  # get_state_dict gives them state: undone on failure
-    err = None
+    err: BaseException | None = None
     try:  # local, then agreed: a rank that cannot load never enters get_state_dict's collective
         _check_loadable(model)
         _check_optims_loadable(optims)
@@ -131,7 +131,7 @@ def load_checkpoint(model: nn.Module, optimizers, checkpoint_id=None, *, storage
         _load_staged(model, optims, checkpoint_id, storage_reader, where, fresh, staging_device,
                      model_key, optim_key)
         return
-    plan = None
+    plan: Any = None  # an _InPlace once _agree passed
     try:
         err = None
         try:
@@ -162,7 +162,9 @@ def _reader(checkpoint_id, storage_reader):
 def _load_staged(model, optims, checkpoint_id, storage_reader, where, fresh, staging_device,
                  model_key, optim_key) -> None:
     import torch.distributed.checkpoint as dcp
-    stage, commit, err = None, None, None
+    stage: Any = None  # a _Stage once _agree passed
+    commit: Any = None
+    err: BaseException | None = None
     try:
         try:
             stage = _Stage(model, optims, staging_device, model_key, optim_key)
@@ -280,7 +282,7 @@ class _InPlace:
         """``value``'s structure with meta tensors in place of its tensors; each
         tensor becomes a ``_Leaf``."""
         if isinstance(value, dict):
-            out = type(value)()
+            out: Any = type(value)()
             if hasattr(value, "_metadata"):  # module versions, for load_state_dict
                 out._metadata = value._metadata
             for k, v in value.items():
@@ -351,7 +353,7 @@ class _InPlace:
             _agree(err, where, f"reading batch {i + 1} of {len(self.batches)}, after the "
                    "checkpoint had been verified", local=True,
                    written=(done, len(self.leaves)))
-            self._write(batch, staged)
+            self._write(batch, staged)  # type: ignore[arg-type]
             done += len(batch)
             del staged
         self._finish()
@@ -387,7 +389,7 @@ class _InPlace:
             for leaf, t in zip(batch, staged):
                 if leaf.kind == "piece":
                     leaf.container[leaf.key] = _write_piece(
-                        self.optims, self.params[leaf.path[2]], leaf.path[3], t)
+                        self.optims, self.params[leaf.path[2]], leaf.path[3], t)  # type: ignore[arg-type]
                 elif leaf.kind == "plain":
                     live = leaf.live
                     if (leaf.path[1:2] == ("state",) and id(live) in self.unshared
@@ -430,7 +432,7 @@ def _writable(live, shape, dtype) -> bool:
 def _with_metadata(d: dict, metadata) -> dict:
     from collections import OrderedDict
     out = OrderedDict(d)
-    out._metadata = metadata
+    out._metadata = metadata  # type: ignore[attr-defined]
     return out
 
 
@@ -462,7 +464,7 @@ class _Stage:
     def _staged(self, value: Any) -> Any:
         """``value``'s structure with fresh tensors in place of its tensors."""
         if isinstance(value, dict):
-            out = type(value)()
+            out: Any = type(value)()
             if hasattr(value, "_metadata"):  # module versions, for load_state_dict
                 out._metadata = value._metadata
             for k, v in value.items():
@@ -474,7 +476,8 @@ class _Stage:
             out = [self._staged(v) for v in value]
             if isinstance(value, list):
                 self.made += [(out, k, v) for k, v in enumerate(out) if isinstance(v, torch.Tensor)]
-            return out if isinstance(value, list) else type(value)(out)  # (DCP cannot set into a tuple)
+            # (DCP cannot set into a tuple)
+            return out if isinstance(value, list) else type(value)(out)
         if isinstance(value, torch.distributed.tensor.DTensor):
             local = value.to_local()
             return torch.distributed.tensor.DTensor.from_local(
@@ -534,11 +537,11 @@ def _write_piece(optims, p, key, value: DTensor) -> torch.Tensor:
     live = next((o.state[p].get(key) for o in optims if p in o.state), None)
     dst = live if _writable(live, p.shape, value.dtype) else torch.empty(
         p.shape, dtype=value.dtype, device=p.device)
-    bad = _load_entry(g, e, value, dst.view(-1))
+    bad = _load_entry(g, e, value, dst.view(-1))  # type: ignore[union-attr]
     if bad:  # (the shapes were checked by DCP: not expected)
         raise RuntimeError(f"fsdp_compose [rank {_rank()}] '{e.fqn}' optimizer state "
                            f"'{key}': {bad}")
-    return dst
+    return dst  # type: ignore[return-value]
 
 
 def _check_loadable(model: nn.Module) -> None:
@@ -590,7 +593,7 @@ def _dtype_checked_planner(into_meta: bool = False):
         def create_local_plan(self):
             wrong = []
             for fqn, obj in self.state_dict.items():
-                md = self.metadata.state_dict_metadata.get(fqn)
+                md = self.metadata.state_dict_metadata.get(fqn)  # type: ignore[union-attr]
                 if not isinstance(md, TensorStorageMetadata):
                     continue
                 if isinstance(obj, torch.Tensor):

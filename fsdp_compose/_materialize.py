@@ -91,7 +91,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     uninit: list[str] = []
     for mname, m in _post_order(model):
         slots = state_dict_slots(m) or {}
-        pieces = []                  # (name, entry or None, temp, scratch)
+        pieces: list[tuple] = []     # (name, entry or None, temp, scratch)
         temps: dict[int, torch.Tensor] = {}
         for name, p in list(m._parameters.items()):
             if p is None:
@@ -122,7 +122,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 if init_fn is not None:
                     init_fn(m)
                 elif callable(getattr(m, "reset_parameters", None)):
-                    m.reset_parameters()
+                    m.reset_parameters()  # type: ignore[operator]
             for name, e, t, scratch in pieces:
                 if scratch:
                     continue
@@ -134,7 +134,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                         e.sharded.detach().view(-1).copy_(t.reshape(-1)[a:b])
                     done.add(id(e))
         finally:
-            for name, e, t, scratch in pieces:
+            for name, e, _t, _scratch in pieces:
                 if e is not None:
                     m._parameters[name] = e.sharded
     missing = [e.fqn for g in meta_groups for e in g.entries if id(e) not in done]

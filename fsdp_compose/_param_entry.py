@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from . import _compat
 from ._layout import Layout
@@ -22,7 +22,7 @@ from ._layout import Layout
 class TPSpec(NamedTuple):
     """How a tensor-parallel (DTensor) parameter is re-exposed while unsharded."""
 
-    mesh: object          # the DTensor's DeviceMesh (e.g. mesh["tp"])
+    mesh: DeviceMesh      # the DTensor's mesh (e.g. mesh["tp"])
     placements: tuple
     shape: torch.Size     # its global shape
     stride: tuple
@@ -42,7 +42,7 @@ def _data_name(t: torch.Tensor) -> str | None:
 
 def inner_data(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding a subclass instance's values."""
-    return getattr(t, _data_name(t))
+    return getattr(t, _data_name(t))  # type: ignore[arg-type]
 
 
 class ExtSpec(NamedTuple):
@@ -51,7 +51,7 @@ class ExtSpec(NamedTuple):
     ``Shard(0)`` over the unit's mesh, of its global shape, wrapping the
     subclass around this rank's rows."""
 
-    mesh: object          # the unit's (1-D) DeviceMesh
+    mesh: DeviceMesh      # the unit's (1-D)
     shape: torch.Size     # the global shape
     stride: tuple
 
@@ -73,8 +73,10 @@ class ParamEntry:
     local_range: tuple[int, int]    # the same, as a slice of param.flatten()
     shard_range: tuple[int, int]    # the same elements' place in the local shard
     whole: bool                     # this rank's piece is all of it (see holds_whole)
-    sharded: nn.Parameter = None    # view of the local shard, shaped ``piece_shape``
-    unsharded: torch.Tensor = None  # full-shape view of the unsharded flat buffer
+    # view of the local shard, shaped ``piece_shape``
+    sharded: nn.Parameter = None    # type: ignore[assignment]
+    # full-shape view of the unsharded flat buffer
+    unsharded: torch.Tensor = None  # type: ignore[assignment]
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
     ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
 
@@ -112,7 +114,7 @@ class ParamEntry:
 
     def storage_ptr(self) -> int:
         """Where the sharded Parameter's data lives (its piece of the shard)."""
-        t = self.sharded
+        t: torch.Tensor = self.sharded
         if self.ext is not None:  # DTensor(subclass(rows)): the rows' own storage
             t = inner_data(_compat.dtensor_local(t))
         return t.untyped_storage().data_ptr()

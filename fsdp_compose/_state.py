@@ -68,7 +68,7 @@ class RootContext:
     def settings(self) -> RootSettings:
         """The model's settings (FSDPModule's root setters), a frozen value on
         the root unit: a lazy init again after a cast keeps them."""
-        return self.root.root_settings
+        return self.root.root_settings  # type: ignore[return-value]
 
     def start_checks(self, checks: "_divergence.StepChecks") -> None:
         """Lazy init, where some group communicates: [Note: divergence]."""
@@ -85,7 +85,8 @@ class RootContext:
             self.reset(abort=True)  # a previous forward or backward raised before finishing
         if self.checks is not None:
             self.checks.before(_divergence.FORWARD if torch.is_grad_enabled()
-                               else _divergence.EVAL_FORWARD, *self.fingerprint.current())
+                               else _divergence.EVAL_FORWARD,
+                               *self.fingerprint.current())  # type: ignore[union-attr]
         self.in_training_forward = torch.is_grad_enabled()
         if self._new_step and torch.is_grad_enabled():  # eval forwards start no step
             self._new_step = False
@@ -172,7 +173,7 @@ class RootContext:
         """
         if not self.in_training_forward:
             return
-        targets = unit.settings.forward_prefetch
+        targets: tuple | list | None = unit.settings.forward_prefetch
         if targets is None:
             targets = self.last_step_order.next_units(unit, self.settings.prefetch_depth)
         for v in targets:
@@ -193,13 +194,15 @@ class RootContext:
             plan = self.backward.plan
             pos, order = plan.gather_pos, plan.gather_order
         elif self.in_training_forward:
-            pos, order = self.last_step_order.position, self.last_step_order.execution_order
+            pos, order = (self.last_step_order.position,
+                          self.last_step_order.execution_order)  # type: ignore[assignment]
         else:
             return [unit]  # eval: nothing would reshard what a bucket fetched ahead
         i = pos.get(unit)
         if i is None:
             return [unit]
-        units, total = [], 0
+        units: list[Unit] = []
+        total = 0
         backward = self._callback_queued
         for v in order[i:]:
             nbytes = v.gather_bytes()
@@ -262,7 +265,8 @@ class RootContext:
         if not self._callback_queued:
             if self.checks is not None:
                 _divergence.raise_if_stopped(self.root.fqn, self.checks)
-                self.checks.before(_divergence.BACKWARD, *self.fingerprint.current())
+                self.checks.before(_divergence.BACKWARD,
+                                   *self.fingerprint.current())  # type: ignore[union-attr]
             self._callback_queued = True
             self._outer_task = _compat.graph_task_id()
             self.last_step_order.set_order(list(self.record.step_order))
@@ -365,9 +369,10 @@ def lazy_init_root(unit: Unit) -> None:
         # (CUDA: the check runs on the stream runtime of its groups' device)
         cuda = [d for _, d in pgs if d.type == "cuda"]
         runtime = ctx.streams.runtime or (runtime_for(cuda[0]) if cuda else None)
-        ctx.start_checks(_divergence.StepChecks(unit.fqn, pgs, units, runtime))
-        ctx.checks.lazy_init(_layout_lines(units) + [
-            f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if ctx.checks.enabled else 'off'}"])
+        checks = _divergence.StepChecks(unit.fqn, pgs, units, runtime)
+        ctx.start_checks(checks)
+        checks.lazy_init(_layout_lines(units) + [
+            f"step check (FSDP_COMPOSE_STEP_CHECK) {'on' if checks.enabled else 'off'}"])
     # world size 1: plain PyTorch's forward and backward for the passive units
     passive = [u for u in units if u is not unit and u.passive and not ctx.communicates]
     for u in passive:

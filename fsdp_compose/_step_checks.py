@@ -36,7 +36,7 @@ class SettingsFingerprint:
             # (hashed once: a tuple's hash is not cached, and this one has a
             # tuple per unit)
             self._key, self._cached = key, (_Hashed(hash(settings)), describe)
-        return self._cached
+        return self._cached  # type: ignore[return-value]
 
     def _make_settings(self) -> tuple:
         root, index = self.root.root_settings, self.checks.index

@@ -46,7 +46,7 @@ synchronisation is marked ``runtime.intended_sync(why)`` (tests/_cuda_rules.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,9 @@ from . import _collectives, _divergence
 
 
 class Pending(NamedTuple):
-    work: object  # a dist.Work, or one of _collectives' works (ReduceScatterWork, ...)
+    work: Any  # a dist.Work, or one of _collectives' works (ReduceScatterWork, ...)
     keep_alive: tuple  # tensors the collective reads or writes
-    what: tuple | None = None  # (unit fqn, which collective): named if it never completes
+    what: tuple[str, str] | None = None  # (unit fqn, which collective): named if it never completes
 
     def wait(self):
         """Block until the data is there; a reduce-scatter returns its result.
@@ -268,7 +268,8 @@ class StreamManager:
                         lambda: _collectives.all_reduce_async(tensor, op, group, async_op=False))
         return Pending(work, (tensor,), what)
 
-    def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
+    def min_across(self, values: list[int], shard_groups: list,
+                   replicate_groups: list) -> list[int]:
         """The element-wise minimum of ``values`` over the groups, read on the
         host (the forward-order agreement, [Note: forward order] in _forward_walk.py).
         On CUDA each group's on the stream of its other collectives (a shard
@@ -387,7 +388,7 @@ class StreamManager:
         for fn in fns:
             fn()
         if reads:
-            values, at = host.tolist(), 0
+            values, at = host.tolist(), 0  # type: ignore[union-attr]
             for t, fn in reads:
                 fn(values[at:at + t.numel()])
                 at += t.numel()
@@ -459,7 +460,8 @@ class BlockingStreams:
                    what: tuple | None = None) -> Pending:
         return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
 
-    def min_across(self, values: list[int], shard_groups: list, replicate_groups: list) -> list[int]:
+    def min_across(self, values: list[int], shard_groups: list,
+                   replicate_groups: list) -> list[int]:
         return _collectives.min_across(values, shard_groups + replicate_groups)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -527,8 +529,10 @@ class BlockingStreams:
         return f"BlockingStreams(device={self.device})"
 
 
-def make_streams(device: torch.device) -> "StreamManager | BlockingStreams":
+def make_streams(device: torch.device) -> StreamManager:
     """A root's stream manager (lazy init): the side-stream protocol where
     ``device`` has a stream runtime (``runtime_for``), else the blocking one."""
     runtime = runtime_for(device)
-    return StreamManager(device, runtime) if runtime is not None else BlockingStreams(device)
+    if runtime is None:  # (BlockingStreams has StreamManager's interface)
+        return BlockingStreams(device)  # type: ignore[return-value]
+    return StreamManager(device, runtime)

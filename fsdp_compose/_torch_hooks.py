@@ -302,8 +302,8 @@ def _guard_grad_scaler(original):
         return original(self, optimizer)
 
     unscale_.__doc__ = original.__doc__
-    unscale_.__wrapped__ = original
-    unscale_._fsdp_compose_dispatch = True
+    unscale_.__wrapped__ = original  # type: ignore[attr-defined]
+    unscale_._fsdp_compose_dispatch = True  # type: ignore[attr-defined]
     return unscale_
 
 
@@ -317,8 +317,8 @@ def _make_clip_dispatcher(original):
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     clip_grad_norm_.__doc__ = original.__doc__
-    clip_grad_norm_.__wrapped__ = original
-    clip_grad_norm_._fsdp_compose_dispatch = True
+    clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    clip_grad_norm_._fsdp_compose_dispatch = True  # type: ignore[attr-defined]
     return clip_grad_norm_
 
 
@@ -332,8 +332,8 @@ def _make_total_norm_dispatcher(original):
         return original(ts, norm_type, error_if_nonfinite, foreach)
 
     get_total_norm.__doc__ = original.__doc__
-    get_total_norm.__wrapped__ = original
-    get_total_norm._fsdp_compose_dispatch = True
+    get_total_norm.__wrapped__ = original  # type: ignore[attr-defined]
+    get_total_norm._fsdp_compose_dispatch = True  # type: ignore[attr-defined]
     return get_total_norm
 
 
@@ -364,7 +364,7 @@ def install() -> None:
 
 def _install() -> None:
     global _undo
-    undo = []
+    undo: list = []
     for register, hook in ((register_optimizer_step_pre_hook, _step_pre_hook),
                            (register_optimizer_step_post_hook, _step_post_hook)):
         undo.append(register(hook).remove)
@@ -376,7 +376,11 @@ def _install() -> None:
         new = make(original)
         for owner in owners:
             setattr(owner, name, new)
-        undo.append(lambda: [setattr(o, name, original) for o in owners])
+
+        def restore():
+            for o in owners:
+                setattr(o, name, original)
+        undo.append(restore)
 
     patch((nn.utils.clip_grad, nn.utils), "clip_grad_norm_", _make_clip_dispatcher)
     patch((nn.utils,), "get_total_norm", _make_total_norm_dispatcher)

@@ -212,7 +212,7 @@ class Unit:
         """Its root's context, made by lazy init at the first use."""
         if self.ctx is None:
             self._lazy_init_root(self)
-        return self.ctx
+        return self.ctx  # type: ignore[return-value]
 
     def would_gather(self) -> bool:
         """Gathering it now issues a collective: some group is sharded (or
@@ -337,7 +337,7 @@ class Unit:
         in _flat_group.py), frees and reduce-scatters nothing. On gloo each new
         split node reports to ``_grads_computed``."""
         if torch.is_grad_enabled():
-            hook = self.ctx.streams.waits_block_cpu
+            hook = self.ctx.streams.waits_block_cpu  # type: ignore[union-attr]
             for g in self.groups:
                 trains = g.requires_grad and not g.direct
                 # (any group whose requires_grad changed: its views must follow)
@@ -354,7 +354,7 @@ class Unit:
         """``group``'s split node is about to assemble its flat gradient (gloo):
         see [Note: gloo backward] in _backward_schedule.py."""
         self._assert_state(*_IN_BACKWARD, where="grads_computed")
-        self.ctx.grads_computed(self, group)
+        self.ctx.grads_computed(self, group)  # type: ignore[union-attr]
 
     def post_forward(self, module: nn.Module, args, output):
         with label("post_forward", self.fqn):  # (hook time: benchmarks/gpu_check.py)
@@ -378,15 +378,16 @@ class Unit:
             register_multi_grad_hook(outs, self._pre_backward, mode="any")
         if outs and torch.is_grad_enabled():
             self.uses += 1
-        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:
+        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:  # type: ignore[union-attr]
             self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
         if self._forward_depth > 0:  # another module of this unit is still running
             return output
         self._assert_state(TrainingState.FORWARD, where="post_forward")
         grad_follows = torch.is_grad_enabled() and bool(outs)
-        island = not torch.is_grad_enabled() and self.ctx.in_training_forward
+        island = not torch.is_grad_enabled() and self.ctx.in_training_forward  # type: ignore[union-attr]
         with _compat.functorch_disabled():  # (first: units skipped here, _forward_walk.py)
-            self.ctx.forward_end(self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
+            self.ctx.forward_end(  # type: ignore[union-attr]
+                self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
         self._enter(TrainingState.IDLE, "post_forward")
         return output
 
@@ -406,9 +407,9 @@ class Unit:
     def _pre_backward(self, _grad) -> None:
         """A gradient reached its outputs: report it (the schedule gathers and
         decides, ``BackwardSchedule.pre_backward``)."""
-        self.ctx.on_backward_hook()
+        self.ctx.on_backward_hook()  # type: ignore[union-attr]
         self._uses_seen += 1
-        self.ctx.pre_backward(self)
+        self.ctx.pre_backward(self)  # type: ignore[union-attr]
 
     def start_backward(self) -> None:
         """Its backward (again, after POST_BACKWARD: another use's gradient)

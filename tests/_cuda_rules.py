@@ -232,7 +232,8 @@ class CudaRules(TorchDispatchMode):
         self._compute = Stream(self, "compute")
         self._stack = [self._compute]
         self._st: dict[int, _Storage] = {}
-        self._pools: dict[str, list] = {}   # stream -> [(storage info, [pending Access], free where)]
+        # stream -> [(storage info, [pending Access], free where)]
+        self._pools: dict[str, list] = {}
         self._intended: list[str] = []
         self._forward = 0
         self._off = 0
@@ -697,7 +698,8 @@ def check_orders(per_rank: list, members: dict) -> list[str]:
             sa = [x for x in per_rank[a] if x[0] in both]
             sb = [x for x in per_rank[b] if x[0] in both]
             if sa != sb:
-                i = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+                i = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y),
+                         min(len(sa), len(sb)))
                 bad.append(f"[order] ranks {a} and {b} issue the collectives of groups {g1} and "
                            f"{g2} in different orders from the {i}th: {sa[i:i + 3]} vs "
                            f"{sb[i:i + 3]}")

@@ -190,7 +190,8 @@ def _launch(fn, world_size, args, timeout, grace, start_method, ended=None, ling
             if all(done):
                 break
             now = time.monotonic()
-            if first_fail_at is None and any(res is not None and res[0] == "err" for res in results):
+            if first_fail_at is None and any(res is not None and res[0] == "err"
+                                             for res in results):
                 first_fail_at = now
             if first_fail_at is not None and now - first_fail_at > grace:
                 _kill(procs)
@@ -216,7 +217,8 @@ def _launch(fn, world_size, args, timeout, grace, start_method, ended=None, ling
                             stacks = f.read()
                     except OSError:
                         stacks = ""
-                    msgs.append(f"--- rank {r}: still running; its stacks:\n{stacks or '(none dumped)'}")
+                    msgs.append(f"--- rank {r}: still running; its stacks:\n"
+                                f"{stacks or '(none dumped)'}")
                 raise DistributedError("\n".join(msgs))
             time.sleep(0.02)
         for p in procs:

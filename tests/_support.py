@@ -211,7 +211,8 @@ def _value_problem(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: flo
         return None
     d = (g - w).abs().reshape(-1)
     i = int(d.argmax())
-    return (f"max abs diff {d[i].item():.3e} at local index {i} (got {g.reshape(-1)[i].item():.8g}, "
+    return (f"max abs diff {d[i].item():.3e} at local index {i} "
+            f"(got {g.reshape(-1)[i].item():.8g}, "
             f"expected {w.reshape(-1)[i].item():.8g})")
 
 

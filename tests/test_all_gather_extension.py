@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 from unittest import mock
 
 import pytest
@@ -218,7 +217,8 @@ def test_float8_precompute_sets_the_scales(float8_runs, world):
 def test_float8_all_gather_bytes_equal_fsdp2(float8_runs, world):
     for r in float8_runs[world]:
         for mp in (False, True):
-            ours, fsdp2 = r[("ours", True, mp, True)]["bytes"], r[("fsdp2", True, mp, True)]["bytes"]
+            ours = r[("ours", True, mp, True)]["bytes"]
+            fsdp2 = r[("fsdp2", True, mp, True)]["bytes"]
             assert ours == fsdp2 and len(set(ours)) == 1, (ours, fsdp2)
         f8 = r[("ours", True, True, False)]["bytes"][0]
         # (FSDP2's bf16 run: at 4 ranks ours pads its plain groups by 1,280
@@ -242,7 +242,8 @@ def test_float8_weights_of_a_unit_share_one_all_gather(float8_runs, world):
     block, one per weight, before the weights were gathered together)."""
     for r in float8_runs[world]:
         for mp in (False, True):
-            ours, fsdp2 = r[("ours", True, mp, True)]["calls"], r[("fsdp2", True, mp, True)]["calls"]
+            ours = r[("ours", True, mp, True)]["calls"]
+            fsdp2 = r[("fsdp2", True, mp, True)]["calls"]
             assert ours == [2 * c for c in fsdp2], (ours, fsdp2)
 
 

@@ -56,7 +56,8 @@ def _errors(rank, world):
     out["raf_not_divisor"] = raised(lambda: fully_shard(Net(), reshard_after_forward=world + 1))
     out["mp_policy_type"] = raised(lambda: fully_shard(Net(), mp_policy=torch.bfloat16))
     out["mp_policy_int_dtype"] = raised(
-        lambda: fully_shard(Net(), mp_policy=fsdp_compose.MixedPrecisionPolicy(param_dtype=torch.int8)))
+        lambda: fully_shard(Net(), mp_policy=fsdp_compose.MixedPrecisionPolicy(
+            param_dtype=torch.int8)))
     out["offload_type"] = raised(lambda: fully_shard(Net(), offload_policy=True))
 
     # (a Parameter of another module is fine: one model-wide set may go to every call)
@@ -107,11 +108,14 @@ def errors():
     ("twice", "ValueError", ["unit 'Block'", "already applied", "once per module"]),
     ("twice_named", "ValueError", ["unit 'layers.1'", "already applied"]),
     ("tied_across_units", "ValueError", ["'weight'", "another unit, the one made by "
-                                         "fully_shard(Embedding)", "fully_shard([module_a, module_b])"]),
-    ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device", "fsdp_compose.materialize(model)",
-                              "model.to_empty(device=...)", "README, 'Building on the meta device'"]),
+                                         "fully_shard(Embedding)",
+                                         "fully_shard([module_a, module_b])"]),
+    ("meta", "RuntimeError", ["layers.0.lin1.weight", "meta device",
+                              "fsdp_compose.materialize(model)", "model.to_empty(device=...)",
+                              "README, 'Building on the meta device'"]),
     ("mesh_3d", "ValueError", ["1-D", "2-D (replicate, shard)", "mesh['dp']"]),
-    ("raf_not_divisor", "ValueError", ["Net", "reshard_after_forward=", "divides the shard world size"]),
+    ("raf_not_divisor", "ValueError", ["Net", "reshard_after_forward=",
+                                       "divides the shard world size"]),
     ("mp_policy_type", "TypeError", ["Net", "MixedPrecisionPolicy", "torch.bfloat16"]),
     ("mp_policy_int_dtype", "ValueError", ["param_dtype", "floating-point", "torch.int8"]),
     ("offload_type", "TypeError", ["CPUOffloadPolicy()", "True"]),

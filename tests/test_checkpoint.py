@@ -135,7 +135,8 @@ def count_collectives():
         for ns in (dist, distributed_c10d):
             for name in _COLLECTIVES:
                 if hasattr(ns, name):
-                    stack.enter_context(mock.patch.object(ns, name, counting(name, getattr(ns, name))))
+                    stack.enter_context(
+                        mock.patch.object(ns, name, counting(name, getattr(ns, name))))
         cdm = stack.enter_context(CommDebugMode())
         reset_comm_stats()
         yield counts

@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import fsdp_compose
-from fsdp_compose import CheckpointLoadError, get_state_dict, load_checkpoint, set_state_dict
+from fsdp_compose import get_state_dict, load_checkpoint, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from ._checkpoint_net import Net, make_optim, ours_fresh, shard_ours, train
@@ -428,7 +428,8 @@ def test_in_place_load_reads_in_bounded_batches(loads, mode, world):
         if mode == "verified_small":  # buffer_bytes=1: one tensor at a time
             assert len(batches) == leaves and all(n == 1 for n, _, _ in batches)
         else:
-            assert max(b for _, b, _ in batches) <= fsdp_compose._load_checkpoint.DEFAULT_BUFFER_BYTES
+            limit = fsdp_compose._load_checkpoint.DEFAULT_BUFFER_BYTES
+            assert max(b for _, b, _ in batches) <= limit
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -48,7 +48,8 @@ def _groups(rank: int, world: int) -> list[tuple[str, object]]:
 
 
 def _members(group) -> list[int]:
-    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    return (list(range(dist.get_world_size())) if group is None
+            else dist.get_process_group_ranks(group))
 
 
 def _data(global_rank: int, n: int, kind: str, dtype=torch.float32) -> torch.Tensor:
@@ -87,7 +88,8 @@ def _all_gather_cases(rank, world):
                     # every chunk is its group rank's shard, in group rank order
                     expect = torch.cat([_data(m, S, "randn", dtype) for m in members])
                     assert _bitwise_equal(out, ref), f"{case}: differs from torch's all-gather"
-                    assert _bitwise_equal(out, expect), f"{case}: not the shards in group rank order"
+                    assert _bitwise_equal(out, expect), \
+                        f"{case}: not the shards in group rank order"
                     assert _bitwise_equal(arg, shard), f"{case}: the shard argument changed"
                     checked.append(case)
     return checked
@@ -164,7 +166,8 @@ def _reduce_scatter_cases(rank, world, path):
                         exact = chunks.sum(0)
                         if op_name == "AVG":
                             exact = exact / w
-                        assert _bitwise_equal(first, exact), f"{case}: not the {op_name} of chunk {r}"
+                        assert _bitwise_equal(first, exact), \
+                            f"{case}: not the {op_name} of chunk {r}"
                     else:
                         torch.testing.assert_close(first, ref, msg=f"{case}: differs from torch's")
                     checked.append(case)
@@ -233,7 +236,8 @@ def test_gloo_path_is_broadcast_and_all_reduce(world):
     S = 64
     for rank, (ag, rs, native, stats) in enumerate(run_distributed(_gloo_path, world)):
         # the names checked below are torch's names for these collectives
-        assert "c10d::_allgather_base_" in native and "c10d::_reduce_scatter_base_" in native, native
+        assert "c10d::_allgather_base_" in native, native
+        assert "c10d::_reduce_scatter_base_" in native, native
         assert ag.get("c10d::broadcast_") == world, (rank, ag)  # one broadcast per rank
         assert not any("allgather" in k or "all_gather" in k or "allreduce" in k
                        or "reduce_scatter" in k for k in ag), (rank, ag)

@@ -15,7 +15,8 @@ compile), and reads dynamo's counters:
 Bars: each block compiled (``block.compile()`` after fully_shard, also with
 ``fullgraph=True``; or torchtitan's recipe: non-reentrant activation
 checkpointing, ``torch.compile(block, fullgraph=True)``, then fully_shard):
-0 breaks, ONE graph for every block, no recompile after step 2. ``torch.compile(model)``: the demo Llama 0 breaks (as FSDP2); the HF Llama
+0 breaks, ONE graph for every block, no recompile after step 2.
+``torch.compile(model)``: the demo Llama 0 breaks (as FSDP2); the HF Llama
 no more breaks and graphs than FSDP2 compiled the same way, measured in the
 same launch. Every scenario: losses and final parameters equal to DDP's
 (eager, the same per-rank batches) at 1e-5. Remove the
@@ -204,6 +205,7 @@ def test_compile_hf_model_vs_fsdp2(ws):
     check_parity_and_recompiles(ours)
     for r, (a, b) in enumerate(zip(ours, fsdp2)):
         assert a["graphs"] > 0
-        assert a["breaks"] <= b["breaks"] and a["graphs"] <= b["graphs"], (f"rank {r}: ours {a['breaks']} breaks / {a['graphs']} "
-                                         f"graphs ({a['break_reasons']}), FSDP2 {b['breaks']} / "
-                                         f"{b['graphs']} ({b['break_reasons']})")
+        assert a["breaks"] <= b["breaks"] and a["graphs"] <= b["graphs"], (
+            f"rank {r}: ours {a['breaks']} breaks / {a['graphs']} "
+            f"graphs ({a['break_reasons']}), FSDP2 {b['breaks']} / "
+            f"{b['graphs']} ({b['break_reasons']})")

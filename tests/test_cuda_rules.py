@@ -690,7 +690,8 @@ def test_streams_are_made_on_the_managers_device():
             made.append((device, priority))
 
     with mock.patch.object(torch.cuda, "Stream", FakeStream), \
-            mock.patch.object(torch.cuda, "current_stream", lambda device=None: asked.append(device)):
+            mock.patch.object(torch.cuda, "current_stream",
+                              lambda device=None: asked.append(device)):
         dev = torch.device("cuda", 1)
         manager = streams_mod.StreamManager(dev, runtime=streams_mod.default_runtime(dev))
         manager._rt.current_stream()

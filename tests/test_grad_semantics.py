@@ -294,7 +294,8 @@ def _scenarios(world: int) -> dict:
                                                                 flat_at_1=True)
     else:
         out["unused_reduce_bf16"] = functools.partial(
-            unused_vs_ddp, mp=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
+            unused_vs_ddp, mp=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+            atol=2e-2, rtol=2e-2)
         out["unused_reduce_bf16_per_unit"] = functools.partial(
             unused_vs_ddp, per_unit=True, mp=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
             atol=2e-2, rtol=2e-2)

@@ -87,7 +87,8 @@ def _guard(rank, world):
     model = _sharded_net()
     out = {}
     for name in ELEMENTWISE:
-        out[name] = _try_step(model, lambda: getattr(torch.optim, name)(model.parameters(), lr=1e-3))
+        out[name] = _try_step(model,
+                              lambda: getattr(torch.optim, name)(model.parameters(), lr=1e-3))
     out["InheritsStep"] = _try_step(model, lambda: InheritsStep(model.parameters()))
     fsdp_compose.declare_optimizer(Declared, "elementwise")
     out["Declared"] = _try_step(model, lambda: Declared(model.parameters(), lr=1e-3))

@@ -529,23 +529,30 @@ class Scenario:
 
 
 SCENARIOS: Dict[str, Scenario] = {
-    "mlp_nested_sgd_reshard": Scenario(MLP, shard_mlp(True), sgd, regression_data(8, 4), mse_loss),
-    "mlp_nested_sgd_no_reshard": Scenario(MLP, shard_mlp(False), sgd, regression_data(8, 4), mse_loss),
-    "mlp_nested_adamw_reshard": Scenario(MLP, shard_mlp(True), adamw, regression_data(8, 4), mse_loss),
-    "mlp_nested_adamw_no_reshard": Scenario(MLP, shard_mlp(False), adamw, regression_data(8, 4), mse_loss),
+    "mlp_nested_sgd_reshard": Scenario(MLP, shard_mlp(True), sgd, regression_data(8, 4),
+                                       mse_loss),
+    "mlp_nested_sgd_no_reshard": Scenario(MLP, shard_mlp(False), sgd, regression_data(8, 4),
+                                          mse_loss),
+    "mlp_nested_adamw_reshard": Scenario(MLP, shard_mlp(True), adamw, regression_data(8, 4),
+                                         mse_loss),
+    "mlp_nested_adamw_no_reshard": Scenario(MLP, shard_mlp(False), adamw, regression_data(8, 4),
+                                            mse_loss),
     "mlp_clip_grad_norm_l2": Scenario(MLP, shard_mlp(True), sgd, regression_data(8, 4), mse_loss,
                                       clip=(0.05, 2.0)),
-    "mlp_clip_grad_norm_inf": Scenario(MLP, shard_mlp(False), adamw, regression_data(8, 4), mse_loss,
-                                       clip=(0.01, math.inf)),
+    "mlp_clip_grad_norm_inf": Scenario(MLP, shard_mlp(False), adamw, regression_data(8, 4),
+                                       mse_loss, clip=(0.01, math.inf)),
     "uneven_padding": Scenario(Uneven, shard_uneven, sgd, regression_data(7, 3), mse_loss),
-    "frozen_and_half_frozen": Scenario(FrozenNet, shard_frozen, adamw, regression_data(6, 3), mse_loss),
+    "frozen_and_half_frozen": Scenario(FrozenNet, shard_frozen, adamw, regression_data(6, 3),
+                                       mse_loss),
     "mixed_dtype_unit": Scenario(MixedNet, shard_mixed, sgd, regression_data(6, 2), mse_loss),
     "tied_embedding_list_unit": Scenario(TiedLM, shard_tied, adamw, token_data(), lm_loss),
-    "unit_called_twice_reshard": Scenario(Twice, shard_twice(True), sgd, regression_data(6, 3), mse_loss),
+    "unit_called_twice_reshard": Scenario(Twice, shard_twice(True), sgd, regression_data(6, 3),
+                                          mse_loss),
     "unit_called_twice_no_reshard": Scenario(Twice, shard_twice(False), sgd, regression_data(6, 3),
                                              mse_loss),
-    "eval_no_grad_between_steps_reshard": Scenario(MLP, shard_mlp(True), adamw, regression_data(8, 4),
-                                                   mse_loss, eval_after=(-1, 0, 2, 5)),
+    "eval_no_grad_between_steps_reshard": Scenario(MLP, shard_mlp(True), adamw,
+                                                   regression_data(8, 4), mse_loss,
+                                                   eval_after=(-1, 0, 2, 5)),
     "eval_no_grad_between_steps_no_reshard": Scenario(MLP, shard_mlp(False), sgd,
                                                       regression_data(8, 4), mse_loss,
                                                       eval_after=(-1, 1, 3, 5)),
@@ -632,7 +639,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _diff(tag, ours, exp) -> str:
     if ours.shape != exp.shape or ours.dtype != exp.dtype:
-        return f"{tag}: got {tuple(ours.shape)} {ours.dtype}, expected {tuple(exp.shape)} {exp.dtype}"
+        return (f"{tag}: got {tuple(ours.shape)} {ours.dtype}, "
+                f"expected {tuple(exp.shape)} {exp.dtype}")
     d = (ours.double() - exp.double()).abs()
     i = int(d.argmax()) if d.numel() else 0
     return (f"{tag}: max abs diff {d.max().item():.3e} at local index {i} "

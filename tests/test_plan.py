@@ -1,4 +1,5 @@
-"""``python -m tools.plan``: the planner's numbers against real gloo runs, its work at scale, its schema.
+"""``python -m tools.plan``: the planner's numbers against real gloo runs, its work at scale,
+its schema.
 
 The plan shards the model on the meta device over a fake process group and
 replays the schedule on sizes (tools/_planner.py); ``measure_rank`` runs 3

@@ -446,7 +446,8 @@ def bf16_offload(rank, world):
 
 
 SCENARIOS = {f.__name__: f for f in [
-    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward, no_overlap, bucketed,
+    offload, hsdp, reshard_to_2, reshard_after_backward, stale_after_step, last_backward,
+    no_overlap, bucketed,
     bf16_vs_fsdp2, bf16_reduce_vs_fsdp2, bf16_accumulate_vs_fsdp2, bf16_offload,
     tensor_granularity]}
 

@@ -30,7 +30,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import fsdp_compose
 from fsdp_compose import fully_shard, param_info
 from fsdp_compose._registry import SHARDED as _SHARDED
 

@@ -106,7 +106,8 @@ def test_optimizer_built_before_fully_shard_is_refused(early_optimizer):
         kind, msg = out["early"]
         assert kind == "RuntimeError", out["early"]
         for needle in (f"[rank {rank}]", "AdamW", "16 parameter(s)", "'inp.weight'",
-                       "'layers.0.l1.weight'", "'layers.1.l1.bias'", "and 8 more", "after fully_shard",
+                       "'layers.0.l1.weight'", "'layers.1.l1.bias'", "and 8 more",
+                       "after fully_shard",
                        "model.parameters()"):
             assert needle in msg, (needle, msg)
         kind, msg = out["meta"]

@@ -1,1 +1,2 @@
-"""Offline checkpoint tools: ``python -m tools.dcp_to_torch`` and ``python -m tools.dcp_inspect``."""
+"""Offline checkpoint tools: ``python -m tools.dcp_to_torch`` and
+``python -m tools.dcp_inspect``."""

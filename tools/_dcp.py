@@ -67,6 +67,7 @@ def nest(flat: dict[str, Any], md: Metadata) -> dict:
 def _lists(node):
     if isinstance(node, dict):
         node = {k: _lists(v) for k, v in node.items()}
-        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        if (node and all(isinstance(k, int) for k in node)
+                and sorted(node) == list(range(len(node)))):
             return [node[i] for i in range(len(node))]
     return node

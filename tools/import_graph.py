@@ -259,7 +259,7 @@ def sizes(root: Path | None = None) -> dict[str, tuple[int, str]]:
     """{"file" | "class" | "function": (lines, where)} of the largest of each."""
     best = {"file": (0, ""), "class": (0, ""), "function": (0, "")}
     root = root or package_root()
-    for name, path in modules(root).items():
+    for path in modules(root).values():
         text = path.read_text()
         rel = str(path.relative_to(root.parent))
         n = len(text.splitlines())

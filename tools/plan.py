@@ -1,4 +1,5 @@
-"""Plan a run before renting it: per-rank memory and traffic of a sharded model, from the model alone.
+"""Plan a run before renting it: per-rank memory and traffic of a sharded model,
+from the model alone.
 
     python -m tools.plan --model demo --dim 4096 --layers 32 --vocab 32000 --world-size 8 1024
     python -m tools.plan --model demo --world-size 2 4 --measure      # and check against real runs
@@ -397,7 +398,8 @@ NCCL_COLUMNS = [  # what NCCL sees per step, ours and FSDP2's layout (_planner.n
     ("FSDP2: calls", lambda r: str(r["fsdp2"]["calls"])),
     ("bytes ", lambda r: _size(r["fsdp2"]["bytes"])),
     ("padding ", lambda r: f"{r['fsdp2']['padding_percent']:.2f}%"),
-    ("per rank ", lambda r: f"{100 * (r['fsdp2']['param_bytes'] / r['param_bytes_ideal'] - 1):+.1f}%"),
+    ("per rank ",
+     lambda r: f"{100 * (r['fsdp2']['param_bytes'] / r['param_bytes_ideal'] - 1):+.1f}%"),
     ("NVLink ", lambda r: _ms(r["fsdp2"]["est_seconds"]["nvlink"])),
     ("IB ", lambda r: _ms(r["fsdp2"]["est_seconds"]["ib"])),
 ]

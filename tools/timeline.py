@@ -73,7 +73,6 @@ class _Marks:
 
 def profile_rank(rank: int, world: int, cfg, steps: int, warmup: int, out: str) -> str:
     """On a rank: ``warmup`` steps, then ``steps`` profiled; the trace's path."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from tools._measure import setup, train_step
     model, _, optim, inputs = setup(cfg, rank, world)

@@ -89,9 +89,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
-        self.w_up = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
-        self.w_down = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
+        hidden = args.ffn_hidden_dim
+        assert hidden is not None  # (ModelArgs.__post_init__ sets it)
+        self.w_gate = nn.Linear(args.dim, hidden, bias=False)
+        self.w_up = nn.Linear(args.dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (b, s, d)
@@ -111,6 +113,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args

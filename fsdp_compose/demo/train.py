@@ -171,9 +171,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict | None:
 
     # One all-reduce for the whole history: the loss of the global batch at each step
     # (the ranks of a TP group hold the same loss, so the mean over all ranks is it).
-    history = torch.stack(losses).float()  # (steps,)
-    dist.all_reduce(history)
-    history = (history / world_size).tolist()
+    summed = torch.stack(losses).float()  # (steps,)
+    dist.all_reduce(summed)
+    history = (summed / world_size).tolist()
     k = min(10, len(history))
     sample = (generate(model, tok, "The ", args.sample_chars, device, seed=args.seed)
               if args.sample_chars > 0 else None)
