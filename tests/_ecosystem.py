@@ -1,6 +1,6 @@
 """accelerate's FSDP2 plugin and the transformers Trainer driving fsdp_compose
 and torch's FSDP2 on the same script (tests/test_ecosystem.py; ``python -m
-tests._ecosystem`` prints the README's table).
+tests._ecosystem`` prints the table of docs/ecosystem.md).
 
 accelerate 1.15 on CPU keeps ``DistributedType.MULTI_CPU`` (and wraps in DDP)
 even with an FSDP plugin; both implementations are put on its FSDP2 path the

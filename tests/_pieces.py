@@ -5,7 +5,7 @@ parameter (and its gradient and per-element optimizer state) holds elements
 ``local_range`` of the row-major flattening of the full tensor, which are
 whole dim-0 rows; it is shaped ``(rows, *full_shape[1:])`` at every world size
 (the full shape at shard world size 1). A 0-d parameter's piece is 1-D
-(docs/design.md, "Layout and padding"). For a tensor-parallel parameter,
+(docs/design.md, "Row-granular shards"). For a tensor-parallel parameter,
 ``full`` is this rank's TP shard.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def piece_close(got, full: torch.Tensor, local_range, **tol) -> bool:
     """``got`` (a sharded parameter's tensor or gradient) equals ``full``'s
     piece, within ``tol`` (``torch.allclose``). A gradient is never None
     where ``full`` (the reference's) is not: where this rank holds none of
-    the parameter it is empty (docs/design.md, "Layout and padding": empty
+    the parameter it is empty (docs/design.md, "Row-granular shards": empty
     pieces)."""
     if got is None:
         return False

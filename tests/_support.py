@@ -228,7 +228,7 @@ def compare_with_reference(model: nn.Module, ref: nn.Module, tag: str = "", *,
     * the names, in order, and ``requires_grad`` are the reference's;
     * ``grads``: ``p.grad`` is None exactly where the reference's is, also
       where this rank holds none of the parameter (there it is empty,
-      docs/design.md, "Layout and padding": empty pieces); else it is the
+      docs/design.md, "Row-granular shards": empty pieces); else it is the
       reference gradient's piece;
     * ``params``: the parameter is the reference parameter's piece;
     * a piece has the reference piece's shape and dtype, and values within

@@ -23,8 +23,8 @@ were written (``verified_small``), and a load of the good checkpoint then
 restores everything. ``ranks_differ`` (in place only): one rank describes
 another state dict than the others; every rank raises before reading on.
 
-``FSDP_TEST_PLAIN_LOAD=1`` runs the same cases through the README's plain
-recipe (``get_state_dict`` + ``dcp.load`` + ``set_state_dict``): every failure
+``FSDP_TEST_PLAIN_LOAD=1`` runs the same cases through the plain recipe
+of docs/checkpointing.md (``get_state_dict`` + ``dcp.load`` + ``set_state_dict``): every failure
 case then fails (state overwritten, or an uncatchable ``CheckpointException``,
 or no error at all), which is how these tests were checked to be able to fail.
 ``FSDP_TEST_SKIP_VERIFY=1`` replaces the verification by nothing: the failure
@@ -61,7 +61,7 @@ BAD = ["truncated", "flipped", "missing_file", "shape", "dtype", "no_optim"]
 
 
 def _plain_load(model, opt, path):
-    """The README's plain recipe (loads into views of the live shards)."""
+    """The plain recipe of docs/checkpointing.md (loads into views of the live shards)."""
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)

@@ -6,7 +6,7 @@ every parameter does. Under DDP every rank sees the same pattern of
 ``p.grad is None``: set wherever any rank produced a gradient for the
 parameter, None where none did. So must we: on a rank that holds none of
 the parameter, ``p.grad`` is an empty gradient of its piece's shape
-``(0, *shape[1:])`` (docs/design.md, "Layout and padding").
+``(0, *shape[1:])`` (docs/design.md, "Row-granular shards").
 
 Every scenario trains the sharded model next to
 ``DistributedDataParallel(find_unused_parameters=True)`` over a copy, each

@@ -9,7 +9,7 @@ model, with the same optimizers built by the same code, and compares the
 loss every step (relative 1e-5) and the parameters at the end:
 
 * ``shapes``: every parameter keeps its ndim and trailing dims (a 0-d one is
-  1-D, docs/design.md "Layout and padding"), the ranks' rows tile dim 0, and
+  1-D, docs/design.md "Row-granular shards"), the ranks' rows tile dim 0, and
   ``param_info`` reports rows and per-rank bytes;
 * ``ndim_groups``: AdamW with nanoGPT's grouping (weight decay only where
   ``p.ndim >= 2``), both granularities;
