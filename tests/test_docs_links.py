@@ -87,7 +87,7 @@ def test_readme_is_short_and_shows_make_first():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250
     first_block = text.split("```bash", 1)[1].split("```", 1)[0]
-    commands = [l.split("#")[0].strip() for l in first_block.strip().splitlines()]
+    commands = [ln.split("#")[0].strip() for ln in first_block.strip().splitlines()]
     assert commands[:2] == ["make demo", "make test"], commands
 
 
