@@ -69,6 +69,13 @@ class PlanConfig:
     prefetch_depth: int = 1
     bucket_bytes: int = 1 << 20         # all-gather and reduce-scatter buckets
     schedule: str = "cuda"              # the backward schedule predicted: "cuda" | "gloo"
+    # the collectives' backend: uneven pieces are padded to one equal-size
+    # collective on every backend but gloo; None: gloo with the gloo schedule
+    backend: str | None = None
+
+    @property
+    def pads(self) -> bool:
+        return (self.backend or ("gloo" if self.schedule == "gloo" else "nccl")) != "gloo"
 
 
 # ------------------------------------------------------------------- model
@@ -254,7 +261,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         last = root_grads_last(model, blocks)
         shard(model, blocks, cfg, make_mesh(world, cfg.hsdp))
         units = _planner.describe(unit_of(model), [unit_of(b) for b in blocks],
-                                  padded=cfg.schedule != "gloo")
+                                  padded=cfg.pads)
     finally:
         dist.destroy_process_group()
     step = _planner.Step(units, schedule=cfg.schedule, prefetch_depth=cfg.prefetch_depth,
@@ -300,7 +307,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         "plan_seconds": round(time.perf_counter() - t0, 3),
     }
     row["hsdp_proposal"] = _planner.hsdp_proposal(units, step, world) if cfg.hsdp == 1 else None
-    row.update(_planner.nccl_view(units, step, cfg.schedule != "gloo"))
+    row.update(_planner.nccl_view(units, step, cfg.pads))
     return WorldPlan(row, ranks, step)
 
 
