@@ -63,6 +63,7 @@ import contextlib
 import copy
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -72,12 +73,12 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PARTS = ["env", "ws1", "fake_pg", "trace", "sanitizer"]
-KEYS = ["env", "ws1", "fake_pg", "sanitizer", "files"]  # the JSON's (trace: under fake_pg)
+PARTS = ["env", "ws1", "fake_pg", "trace", "sanitizer", "scale"]
+KEYS = ["env", "ws1", "fake_pg", "sanitizer", "scale", "files"]  # the JSON's (trace: under fake_pg)
 # seconds per part (one H100: the whole run stays under 8 minutes even if every
 # part hits its limit); the dry run's on a 2-core CPU
-LIMITS = {"env": 30, "ws1": 120, "fake_pg": 150, "trace": 60, "sanitizer": 90}
-DRY_LIMITS = {"env": 60, "ws1": 90, "fake_pg": 120, "trace": 90, "sanitizer": 90}
+LIMITS = {"env": 30, "ws1": 120, "fake_pg": 150, "trace": 60, "sanitizer": 90, "scale": 120}
+DRY_LIMITS = {"env": 60, "ws1": 90, "fake_pg": 120, "trace": 90, "sanitizer": 90, "scale": 120}
 MAX_FILES = 8
 FILES = {
     "gpu_check.json": "every figure (units in the key names)",
@@ -99,13 +100,20 @@ MODELS = {
     "llama": (2048, 18, 32000, 16, 1024, 4),   # Llama-like, ~0.97B parameters (tied embedding)
     "llama-offload": (1024, 8, 32000, 8, 1024, 2),  # 134M: offload row, trace
     "llama-sanitizer": (256, 3, 512, 4, 128, 2),
+    "llama-scale": (1024, 8, 32000, 8, 256, 2),
 }
 DRY_MODELS = {
     "demo": (64, 2, 64, 2, 32, 2),
     "llama": (96, 2, 128, 3, 32, 2),
     "llama-offload": (64, 2, 128, 2, 32, 2),
     "llama-sanitizer": (64, 3, 64, 2, 16, 2),
+    "llama-scale": (64, 2, 128, 2, 16, 2),
 }
+# scale: one simulated world size, uneven pieces forced on ours (the padded
+# equal-size collectives), ours and FSDP2: host time per step
+SCALE_WORLD = 1024
+SCALE_WARMUP, SCALE_TIMED = 2, 6
+DRY_SCALE_WARMUP, DRY_SCALE_TIMED = 1, 2
 # steps: (ws1 total, of which untimed first) and fake_pg's
 WS1_STEPS, WS1_WARMUP = 20, 4
 FAKE_WARMUP, FAKE_TIMED = 2, 8
@@ -774,16 +782,25 @@ def part_sanitizer(mach, res: Result, args) -> None:
                     f"CPUOffloadPolicy(pin_memory=True), layers.1 skipped on odd steps, "
                     f"4 steps each (dim {dim}, {layers} layers)"
                     + ("" if enabled else "; dry run: no sanitizer on CPU, the same steps run"))
+    res.set("what", res.data["what"] + "; then fake world size 8, uneven pieces forced (the "
+                                       "padded equal-size collectives and their staging "
+                                       "copies), bf16")
     reports, runs = [], {}
-    for shape in ((2, 1), (1, 2)):
-        key = f"{shape[0]}x{shape[1]}"
+    for shape in ((2, 1), (1, 2), (8,)):
+        key = "x".join(map(str, shape)) if len(shape) == 2 else f"padded{shape[0]}"
         data = _batches(vocab, batch, seq, 4, mach.device)
-        with _fake_world(2), mach.job():
+        with _fake_world(math.prod(shape)), mach.job():
             torch.manual_seed(0)
             with torch.device(mach.device):
                 model = skipping_llama(dim, layers, vocab, heads, seq)
-            mesh = init_device_mesh(mach.mesh_type, shape, mesh_dim_names=("rep", "shard"))
-            runner = Sharded("fsdp_compose", model, mesh, offload=True)
+            if len(shape) == 2:
+                mesh = init_device_mesh(mach.mesh_type, shape, mesh_dim_names=("rep", "shard"))
+                runner = Sharded("fsdp_compose", model, mesh, offload=True)
+            else:
+                from tools.plan import PlanConfig
+                mesh = init_device_mesh(mach.mesh_type, shape)
+                runner = Sharded("fsdp_compose", model, mesh, plan_cfg=PlanConfig(
+                    model="-", mp="bf16", row_layout="uneven", schedule="cuda"))
             done = 0
             try:
                 for i, (x, y) in enumerate(data):
@@ -809,8 +826,91 @@ def part_sanitizer(mach, res: Result, args) -> None:
               "0 (not enabled: dry run; the same steps ran)")
 
 
+def part_scale(mach, res: Result, args) -> None:
+    """Fake world size ``SCALE_WORLD``, rank 0: ours with every row layout
+    forced to uneven pieces (each all-gather and reduce-scatter the padded
+    equal-size one, [Note: padded collectives] in fsdp_compose/_collectives.py)
+    and FSDP2, alternating; the host (CPU) time of the thread that issues a
+    step, and ours' collectives per step against the planner's."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compose import comm_stats, reset_comm_stats
+    from tools.plan import PlanConfig, plan_world
+    models = DRY_MODELS if mach.dry else MODELS
+    name, world = "llama-scale", SCALE_WORLD
+    warmup, timed = (DRY_SCALE_WARMUP, DRY_SCALE_TIMED) if mach.dry else (SCALE_WARMUP,
+                                                                          SCALE_TIMED)
+    dim, layers, vocab, heads, seq, batch = models[name]
+    cfg = PlanConfig(model=_spec(name, models), mp="bf16", row_layout="uneven", schedule="cuda")
+    wp = plan_world(cfg, world)  # (its own fake group, gone again)
+    res.set("what", f"{name} (dim {dim}, {layers} layers, vocab {vocab}, batch {batch} x seq "
+                    f"{seq}), fake world size {world}, rank 0, bf16 MixedPrecisionPolicy; ours "
+                    f"with uneven pieces forced; {warmup} untimed step(s), median of {timed}; "
+                    "host = CPU time of the issuing thread. " + NO_TRANSFER)
+    res.set("planner", {k: wp.row[k] for k in (
+        "all_gather_calls", "reduce_scatter_calls", "all_reduce_calls", "all_gather_bytes",
+        "reduce_scatter_bytes", "nccl_ops", "nccl_ops_list_forms", "uneven_groups")})
+    data = _batches(vocab, batch, seq, warmup + timed + 1, mach.device)
+    rows = {}
+    with _fake_world(world):
+        for impl in ("fsdp_compose", "fsdp2"):
+            try:
+                with mach.job():
+                    torch.manual_seed(0)
+                    with torch.device(mach.device):
+                        model = llama(dim, layers, vocab, heads, seq)
+                    mesh = init_device_mesh(mach.mesh_type, (world,))
+                    runner = Sharded(impl, model, mesh,
+                                     plan_cfg=cfg if impl == "fsdp_compose" else None)
+                    it = iter(data)
+                    for _ in range(warmup):
+                        runner.step(*next(it))
+                    mach.sync()
+                    host, wall = [], []
+                    for _ in range(timed):
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        runner.step(*next(it))
+                        host.append(1e3 * (time.thread_time() - c0))
+                        mach.sync()
+                        wall.append(1e3 * (time.perf_counter() - t0))
+                    row = {"host_ms": _median(host), "host_ms_each": host,
+                           "wall_ms": _median(wall)}
+                    if impl == "fsdp_compose":
+                        reset_comm_stats()
+                        runner.step(*next(it))
+                        mach.sync()
+                        c = comm_stats()
+                        row["collectives"] = {
+                            k: getattr(c, k) for k in ("all_gather_calls",
+                                                       "reduce_scatter_calls",
+                                                       "all_reduce_calls", "all_gather_bytes",
+                                                       "reduce_scatter_bytes")}
+                        from fsdp_compose._registry import unit_of
+                        groups = [g for m in [model, *model.layers]
+                                  for g in unit_of(m).groups]
+                        row["padded_groups"] = sum(g.padded() for g in groups)
+                    rows[impl] = row
+                    del runner, model
+            except Exception:  # noqa: BLE001 - the other implementation still runs
+                rows[impl] = {"error": traceback.format_exc()}
+            res.set("runs", rows)
+    ours, f2 = rows.get("fsdp_compose", {}), rows.get("fsdp2", {})
+    for impl, row in rows.items():
+        if "error" in row:
+            res.check(f"scale {impl} runs", False, row["error"].strip().splitlines()[-1])
+    if "collectives" in ours:
+        same = all(ours["collectives"][k] == wp.row[k] for k in ours["collectives"])
+        res.check("scale: collectives per step = the planner's", same,
+                  f"{ours['collectives']} vs planner {res.data['planner']}")
+        res.check("scale: padded groups", ours["padded_groups"] > 0,
+                  f"{ours['padded_groups']} groups take the padded collectives")
+    if "host_ms" in ours and "host_ms" in f2:
+        res.set("host_ratio_ours_over_fsdp2", ours["host_ms"] / f2["host_ms"])
+
+
 PART_FNS = {"env": part_env, "ws1": part_ws1, "fake_pg": part_fake_pg, "trace": part_trace,
-            "sanitizer": part_sanitizer}
+            "sanitizer": part_sanitizer, "scale": part_scale}
 
 
 def run_part(args) -> int:
@@ -932,6 +1032,22 @@ def render_md(report: dict, dry: bool) -> str:
         for k, v in (trace.get("side_stream_overlap") or {}).items():
             lines.append(f"- {k}: {v['busy_ms']:.2f} ms busy, "
                          f"{100 * v['share_under_compute']:.0f}% under compute")
+    scale = report.get("scale") or {}
+    if scale.get("runs"):
+        lines += ["", "## One collective per bucket at scale (fake process group)", "",
+                  scale.get("what", ""), "",
+                  "| impl | host ms/step | wall ms/step | collectives per step |",
+                  "|---|---|---|---|"]
+        for impl, r in scale["runs"].items():
+            if "error" in r:
+                lines.append(f"| {impl} | error: {r['error'].strip().splitlines()[-1][:120]} |||")
+                continue
+            c = r.get("collectives")
+            lines.append(f"| {impl} | {_fmt(r.get('host_ms'), 2)} | {_fmt(r.get('wall_ms'), 2)} "
+                         f"| {'-' if c is None else c} |")
+        plan = scale.get("planner") or {}
+        lines += ["", f"host time ours / FSDP2: {_fmt(scale.get('host_ratio_ours_over_fsdp2'), 3)};"
+                      f" planner: {plan}"]
     san = report.get("sanitizer") or {}
     if san:
         lines += ["", "## CUDA sanitizer", "", san.get("what", ""), "",

@@ -35,8 +35,9 @@ def test_dry_run_passes_with_every_key(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "gpu_check.json") as f:
         report = json.load(f)
-    assert list(report) == ["env", "ws1", "fake_pg", "sanitizer", "files"]
-    statuses = {k: report[k]["part"]["status"] for k in ("env", "ws1", "fake_pg", "sanitizer")}
+    assert list(report) == ["env", "ws1", "fake_pg", "sanitizer", "scale", "files"]
+    statuses = {k: report[k]["part"]["status"]
+                for k in ("env", "ws1", "fake_pg", "sanitizer", "scale")}
     statuses["trace"] = report["fake_pg"]["trace"]["part"]["status"]
     assert set(statuses.values()) == {"ok"}, statuses
     assert report["env"]["dry_run"] is True and report["env"]["torch"]
@@ -72,7 +73,18 @@ def test_dry_run_passes_with_every_key(tmp_path):
 
     san = report["sanitizer"]
     assert san["enabled"] is False and san["reports"] == []
-    assert san["runs"] == {"2x1": {"steps_done": 4}, "1x2": {"steps_done": 4}}
+    assert san["runs"] == {"2x1": {"steps_done": 4}, "1x2": {"steps_done": 4},
+                           "padded8": {"steps_done": 4}}
+
+    # one equal-size collective per bucket at a simulated 1024 ranks (ours padded)
+    scale = report["scale"]
+    assert all(c["ok"] for c in scale["checks"]), scale["checks"]
+    for impl in ("fsdp_compose", "fsdp2"):
+        assert "error" not in scale["runs"][impl], scale["runs"][impl].get("error")
+        assert scale["runs"][impl]["host_ms"] > 0
+    assert scale["runs"]["fsdp_compose"]["padded_groups"] > 0
+    assert scale["planner"]["nccl_ops"] < scale["planner"]["nccl_ops_list_forms"]
+    assert scale["host_ratio_ours_over_fsdp2"] > 0
 
     files = sorted(os.listdir(tmp_path))
     assert files == sorted(report["files"]) and len(files) <= gpu_check.MAX_FILES
@@ -89,7 +101,7 @@ def test_a_part_past_its_limit_is_reported_and_the_rest_runs(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:]
     with open(tmp_path / "gpu_check.json") as f:
         report = json.load(f)
-    assert list(report) == ["env", "ws1", "fake_pg", "sanitizer", "files"]
+    assert list(report) == ["env", "ws1", "fake_pg", "sanitizer", "scale", "files"]
     for key in ("env", "sanitizer"):
         assert report[key]["part"]["status"].startswith("timed out"), report[key]
     assert report["ws1"] == {}

@@ -147,3 +147,26 @@ def test_one_step_at_scale_issues_the_planners_collectives(world):
         assert kinds.count("reduce_scatter") == c.reduce_scatter_calls
         assert row["nccl_ops"] == row["collective_calls"]
         assert got["checked"] > 0
+
+
+def simulated_calls(layers: int, world: int) -> dict:
+    """Collectives per step of the demo Llama's unit structure (``layers``
+    blocks and the root; dim 256 and vocab 1024, so that every unit is past
+    the 1 MiB bucket and every group past the 256 KiB of inline flags, as
+    in the 6.6B and 70B shapes; uneven pieces forced) in one simulated step
+    as rank 0, with the planner's count for it: the counts depend on the
+    units and groups, not on the width (docs/scale.md)."""
+    import dataclasses
+
+    from tools.plan import plan_world
+    cfg = dataclasses.replace(_config(), layers=layers, dim=256, vocab=1024)
+    row = plan_world(cfg, world).row
+    c = _step(world, 0, cfg, None)["comm"]
+    calls = c.all_gather_calls + c.reduce_scatter_calls + c.all_reduce_calls
+    return {"simulated": calls, "planned": row["collective_calls"]}
+
+
+if __name__ == "__main__":
+    for layers in (32, 80):
+        for world in (8, 256, 1024, 4096):
+            print(layers, world, simulated_calls(layers, world), flush=True)

@@ -78,6 +78,7 @@ class GroupInfo:
     offload: bool = False    # CPUOffloadPolicy: shards and gradient shards in host memory
     entries: list = field(default_factory=list)  # (fqn, ndim, rows) per parameter
     padded: bool = False     # uneven pieces, one equal-size collective padded to ``slot``
+    padded_any: bool = False  # the backend pads uneven pieces (whether or not these are)
 
     @property
     def trainable(self) -> bool:
@@ -185,6 +186,7 @@ def describe(root_unit, blocks: list, padded: bool = True) -> list[UnitInfo]:
                 direct=g.direct, aliased=g.aliased, world=g.world, replicas=g.replicas,
                 post_forward=g.post_forward.size if g.post_forward is not None else None,
                 layout=g.layout, offload=g.offload, padded=padded and not g.layout.even,
+                padded_any=padded,
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
                          for e in g.entries])
             groups.append(info)
@@ -620,11 +622,13 @@ def _step_bytes(groups: list[GroupInfo], gathers: dict, layout_of) -> int:
     total = 0
     for g in groups:
         lay, replicas = layout_of(g)
+        # what the collective moves: the flat, or every piece padded to the largest
+        moved = lay.world * lay.chunk if g.padded_any and not lay.even else lay.numel
         if lay.world > 1:
-            total += gathers.get(id(g), 0) * lay.numel * g.compute_itemsize
+            total += gathers.get(id(g), 0) * moved * g.compute_itemsize
         if g.trainable:
             if lay.world > 1:
-                total += lay.numel * g.reduce_itemsize
+                total += moved * g.reduce_itemsize
             if replicas > 1:
                 total += lay.shard_numel(0) * g.reduce_itemsize
     return total
