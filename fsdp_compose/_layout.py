@@ -13,9 +13,11 @@ a multiple of the alignment in its rank's shard.
   two dim-0 rows, so a piece is ``(rows_r, *shape[1:])``, 0 rows allowed (a
   0-d parameter is one row of one element, a 1-d one's rows its elements).
   ``plan`` takes *equal chunks* (``Layout.even``: ``bounds[r] = r·chunk``,
-  equal-size collectives) or *uneven pieces* (only alignment padding, each
-  rank's sum over groups within about a row of its share; ``numel`` a
-  multiple of ``W·align``, the tail never gathered; uneven collectives).
+  equal-size collectives) or *uneven pieces* (only alignment padding, the
+  largest piece as small as whole rows allow, each rank's sum over groups
+  close to its share; the parameters' order may rotate; ``numel`` a
+  multiple of ``W·align``, the tail never gathered; the collectives pad every
+  piece to the largest, ``chunk``: [Note: padded collectives] in _collectives.py).
 - *tensor granularity* (opt-in): each parameter lies whole in one rank's chunk.
 """
 from __future__ import annotations

@@ -327,8 +327,8 @@ def tensor_layout(shard):
 def uneven_pieces(shard):
     """``shard`` with every row layout forced to uneven pieces (what a big
     group gets over hundreds of ranks, docs/design.md "Row-granular shards at
-    scale": boundaries at the rows nearest the even share, uneven collectives,
-    never bucketed) at these small world sizes."""
+    scale": boundaries at the rows nearest the even share; on gloo its
+    in-place collectives, never bucketed) at these small world sizes."""
     def f(m, impl):
         if not impl.flat:
             return shard(m, impl)

@@ -53,7 +53,7 @@ CASES = [
     ("hsdp sgd prefetch 2", dataclasses.replace(GLOO, dim=256, hsdp=2, optimizer="sgd",
                                                 prefetch_depth=2), (4,)),
     # uneven pieces (what big groups get over hundreds of ranks), forced here:
-    # uneven collectives, per-rank shard sizes, no buckets, flags on their own
+    # gloo's in-place collectives, per-rank shard sizes, no buckets, flags on their own
     ("demo uneven", dataclasses.replace(GLOO, row_layout="uneven"), (2, 4)),
     ("demo uneven bf16 offload", dataclasses.replace(GLOO, row_layout="uneven", mp="bf16",
                                                      offload=True), (2,)),
