@@ -74,11 +74,10 @@ class _Emulated:
          dist.all_gather, dist.reduce_scatter) = self._saved
 
 
-def _step(world: int, rank: int, cfg, wp) -> dict:
+def _step(world: int, rank: int, cfg) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_compose._grad_path import GradientPath
-    from fsdp_compose._registry import unit_of
     from tools import _measure
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -131,7 +130,7 @@ def test_one_step_at_scale_issues_the_planners_collectives(world):
     row = wp.row
     assert row["uneven_groups"] > 0
     for rank in sorted({0, row["most_loaded_rank"]}):
-        got = _step(world, rank, cfg, wp)
+        got = _step(world, rank, cfg)
         c = got["comm"]
         for k in ("all_gather_calls", "reduce_scatter_calls", "all_reduce_calls",
                   "all_gather_bytes", "reduce_scatter_bytes"):
@@ -161,7 +160,7 @@ def simulated_calls(layers: int, world: int) -> dict:
     from tools.plan import plan_world
     cfg = dataclasses.replace(_config(), layers=layers, dim=256, vocab=1024)
     row = plan_world(cfg, world).row
-    c = _step(world, 0, cfg, None)["comm"]
+    c = _step(world, 0, cfg)["comm"]
     calls = c.all_gather_calls + c.reduce_scatter_calls + c.all_reduce_calls
     return {"simulated": calls, "planned": row["collective_calls"]}
 
