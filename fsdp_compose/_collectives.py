@@ -42,7 +42,6 @@ and one copy of the group each way; equal chunks stay zero-copy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -179,35 +178,30 @@ def pads(group, device: torch.device) -> bool:
     return PAD_UNEVEN_ON_GLOO or dist.get_backend(group) != "gloo"
 
 
-@functools.lru_cache(maxsize=256)
-def _staging_blocks(bounds: tuple, slot: int, row: int, at: int) -> tuple[int, tuple, tuple]:
-    """(U, flat blocks' staging blocks, the staging's padding blocks) for
-    pieces ``bounds`` padded to ``slot`` in rows of ``row`` elements starting
-    at column ``at`` (see the Note); blocks of ``U`` elements."""
-    W = len(bounds) - 1
-    unit = math.gcd(slot, row, at, *bounds)
-    src: list[int] = []
-    pad: list[int] = []
-    for r in range(W):
-        first = (r * row + at) // unit
-        n = (bounds[r + 1] - bounds[r]) // unit
-        src.extend(range(first, first + n))
-        pad.extend(range(first + n, first + slot // unit))
-    return unit, tuple(src), tuple(pad)
-
-
 _INDEX: dict = {}
+_INDEX_KEPT = 64  # distinct (layout, bucket position, device): a few per model
 
 
 def _staging_index(bounds: tuple, slot: int, row: int, at: int, device: torch.device):
-    """``_staging_blocks`` as index tensors on ``device`` (made once)."""
+    """(U, flat blocks' staging blocks, the staging's padding blocks) for
+    pieces ``bounds`` padded to ``slot`` in rows of ``row`` elements starting
+    at column ``at`` (see the Note), as int64 tensors on ``device``, blocks
+    of ``U`` elements; made once per key."""
     key = (bounds, slot, row, at, device)
     got = _INDEX.get(key)
     if got is None:
-        unit, src, pad = _staging_blocks(bounds, slot, row, at)
-        got = _INDEX[key] = (unit, torch.tensor(src, dtype=torch.int64, device=device),
-                             torch.tensor(pad, dtype=torch.int64, device=device))
-        if len(_INDEX) > 256:
+        W = len(bounds) - 1
+        unit = math.gcd(slot, row, at, *bounds)
+        b = torch.tensor(bounds, dtype=torch.int64)
+        n = (b[1:] - b[:-1]) // unit                       # (W,) blocks of each piece
+        first = (torch.arange(W) * row + at) // unit        # (W,) each row's first block
+        before = torch.cumsum(n, 0) - n                     # flat blocks of earlier pieces
+        src = torch.repeat_interleave(first - before, n) + torch.arange(int(n.sum()))
+        m = slot // unit - n                                # (W,) padding blocks per row
+        pad = (torch.repeat_interleave(first + n - (torch.cumsum(m, 0) - m), m)
+               + torch.arange(int(m.sum())))
+        got = _INDEX[key] = (unit, src.to(device), pad.to(device))
+        if len(_INDEX) > _INDEX_KEPT:
             _INDEX.pop(next(iter(_INDEX)))
     return got
 
