@@ -189,7 +189,7 @@ class FlatGroup:
         self.gather_bounds = None if layout.even else layout.bounds
         # uneven pieces through one padded equal-size collective (decided by the
         # backend once: [Note: padded collectives] in _collectives.py)
-        self._pads = _collectives.pads(pg, device)
+        self._pads = world > 1 and _collectives.pads(pg, device)
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
         self._split_sizes, self._view_at = layout.split_plan()
         self.spec = replace(self.spec, mode=self._decide_mode())
