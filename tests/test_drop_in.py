@@ -222,6 +222,7 @@ def test_torch_policies_and_fsdp_module(runs, world):
         assert r["mp_losses"] == r["mp_losses_ours"]
 
 
+@pytest.mark.fast
 def test_every_public_method_of_torchs_fsdp_module_is_ours():
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     public = [n for n, v in vars(TorchFSDPModule).items()

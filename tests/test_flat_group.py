@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from fsdp_compose._flat_group import FlatGroup, GroupSpec
 
+pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
+
 
 @pytest.fixture(autouse=True)
 def _default_group():

@@ -110,6 +110,7 @@ def test_side_stream_protocol(world, per_unit):
                                                             else set())
 
 
+@pytest.mark.fast
 def test_protocol_check_can_fail():
     """The checker catches a collective on the wrong stream, a missing hand-off
     and an early release."""
