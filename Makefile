@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test test-fast demo bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(LINT_STAMP)
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The one-minute tier: the tests that start no worker process (the `fast`
+# marker: pure logic, and steps in this process on torch's fake process group).
+test-fast: venv
+	$(PY) -m pytest -q -m fast tests
 
 demo: venv
 	$(VENV)/bin/fsdp-compose demo

@@ -20,7 +20,10 @@ scenarios of one world size in one multi-process launch.
   barrier, no later collective: a peer waiting in a collective fails as soon
   as the failed rank's process exits), its result is that rank's traceback,
   and the scenarios after it run again in a new launch, so every test reports
-  its own result.
+  its own result. A launch runs the scenarios that this session's selected
+  tests ask for (``wants``): ``-k`` one scenario, one scenario launched.
+* :class:`OnFirstUse`: a module fixture's launches, one per key (a world
+  size), each made when a test first looks it up.
 
 A model that a few files share with its own constants, batches and sharding
 is a module of its own: ``_checkpoint_net`` (test_checkpoint,
@@ -38,6 +41,7 @@ import functools
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -52,12 +56,14 @@ from torch.utils.checkpoint import checkpoint
 
 from benchmarks._fake_cuda import StreamDouble
 
+from . import _selection
 from ._dist import DistributedError, _read, run_distributed
 from ._pieces import local_piece
 
 __all__ = ["Block", "Net", "Chain", "SKIPS", "REGIONS", "Boom", "shard", "per_unit_collectives",
            "compare_with_reference", "compare_step", "raised", "schedule_text", "StreamDouble",
-           "IssueRecorder", "recording", "check_stream_protocol", "Scenarios", "call_by_name"]
+           "IssueRecorder", "recording", "check_stream_protocol", "Scenarios", "asked_by_params",
+           "call_by_name", "OnFirstUse"]
 
 
 # ==========================================================================
@@ -486,25 +492,81 @@ def run_scenarios(ws: int, names: Sequence[str], run_one: Callable,
     return results
 
 
+_WS_PARAMS = ("world", "world_size", "ws")
+_NAME_PARAMS = ("scenario", "name", "layout")
+
+
+def asked_by_params(item) -> List[tuple]:
+    """``Scenarios``' default ``wants``: a test parametrized by a world size
+    (``world``, ``world_size`` or ``ws``) and a scenario (``scenario``,
+    ``name`` or ``layout``) asks for that scenario at that world size; any
+    other test, for none."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    ws = next((params[k] for k in _WS_PARAMS if k in params), None)
+    name = next((params[k] for k in _NAME_PARAMS if k in params), None)
+    return [] if ws is None or name is None else [(ws, name)]
+
+
+def _module_of(item) -> Optional[str]:
+    module = getattr(item, "module", None)
+    return None if module is None else module.__name__
+
+
 class Scenarios:
     """Named scenarios run per world size by :func:`run_scenarios`, each world
-    size launched once (the first test that asks) and cached."""
+    size launched once (the first test that asks) and cached.
+
+    The launch of a world size runs the scenarios of ``names`` that this
+    session's selected tests of the module that made this object ask for
+    (``_selection``; all of them when the whole module runs, as before):
+    ``wants(item)`` says which, as ``(world size, name)`` pairs (default
+    :func:`asked_by_params`). It must list every scenario the test asks for:
+    a test asking for one it does not list fails, so that no full run pays a
+    launch of its own for it."""
 
     def __init__(self, run_one: Callable, timeout: Union[float, Callable[[int], float]] = 120.0,
-                 before_launch: Optional[Callable[[], None]] = None):
+                 before_launch: Optional[Callable[[], None]] = None,
+                 wants: Callable[[Any], Sequence[tuple]] = asked_by_params):
         self.run_one, self.timeout, self.before_launch = run_one, timeout, before_launch
+        self.wants = wants
+        self.module = sys._getframe(1).f_globals["__name__"]  # the test module that made it
         self._cache: Dict[int, Dict[str, tuple]] = {}
+
+    def _asked(self, ws: int) -> Optional[set]:
+        """What the session's selected tests of the module ask for at ``ws``;
+        None outside a pytest session."""
+        if not _selection.SELECTED:
+            return None
+        return {n for item in _selection.SELECTED if _module_of(item) == self.module
+                for w, n in self.wants(item) if w == ws}
+
+    def _check_declared(self, ws: int, name: str) -> None:
+        current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        item = _selection.BY_NODEID.get(current)
+        if item is not None and _module_of(item) == self.module \
+                and (ws, name) not in self.wants(item):
+            raise AssertionError(
+                f"test bug: {current} asks for scenario {name!r} at world size {ws}, which "
+                f"its module's Scenarios(wants=...) does not list for it (so a launch of "
+                f"the selected tests' scenarios leaves it out)")
 
     def outcome(self, ws: int, name: str, names: Sequence[str]) -> tuple:
         """``("ok", [per-rank result])`` or ``("err", text)`` of ``name``; the
-        first call for ``ws`` runs every one of ``names``."""
+        first call for ``ws`` runs, in one launch, those of ``names`` that the
+        selected tests ask for. A name not among ``names`` runs alone."""
+        self._check_declared(ws, name)
         if ws not in self._cache:
-            if self.before_launch is not None:
-                self.before_launch()
-            self._cache[ws] = run_scenarios(ws, names, self.run_one, self.timeout)
+            asked = self._asked(ws)
+            batch = [n for n in names if asked is None or n in asked]
+            self._cache[ws] = self._launch(ws, batch) if batch else {}
         if name not in self._cache[ws]:  # not among the names launched together
-            self._cache[ws].update(run_scenarios(ws, [name], self.run_one, self.timeout))
+            self._cache[ws].update(self._launch(ws, [name]))
         return self._cache[ws][name]
+
+    def _launch(self, ws: int, names: Sequence[str]) -> Dict[str, tuple]:
+        if self.before_launch is not None:
+            self.before_launch()
+        return run_scenarios(ws, names, self.run_one, self.timeout)
 
     def results(self, ws: int, name: str, names: Sequence[str]) -> list:
         """The per-rank results of ``name``; the test fails with the root-cause
@@ -548,3 +610,17 @@ class OptimizerContainer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         for o in self.optimizers:
             o.zero_grad(set_to_none)
+
+
+class OnFirstUse(dict):
+    """``{key: make(key)}``, each value made when it is first looked up: a
+    module fixture with one launch per world size launches only those the
+    selected tests look up (``-k`` one case: one launch)."""
+
+    def __init__(self, make: Callable[[Any], Any]):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value

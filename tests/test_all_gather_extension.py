@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._dist import run_distributed
+from ._support import OnFirstUse
 
 TIMEOUT = 600
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -183,7 +184,8 @@ def _float8_body(rank, world):
 
 @pytest.fixture(scope="module")
 def float8_runs():
-    return {w: run_distributed(_float8_body, w, timeout=TIMEOUT) for w in (2, 4)}
+    """world size (2 or 4) -> per-rank results: one launch per world size a test uses."""
+    return OnFirstUse(lambda w: run_distributed(_float8_body, w, timeout=TIMEOUT))
 
 
 # Measured: bit-identical (difference 0) at 2 and 4 ranks. The bound allows

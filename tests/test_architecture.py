@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tools import import_graph
+
+# the one-minute tier (make test-fast): no torch; one child Python process (the
+# import-graph check, about a second)
+pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,6 +9,8 @@ import pytest
 
 from fsdp_compose._backward_plan import StepRecord, build_plan
 
+pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
+
 
 def _chain(*inner: str, root: str = "r") -> StepRecord:
     """The root's forward around ``inner`` units run one after another, every

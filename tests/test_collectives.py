@@ -349,6 +349,7 @@ def test_padded_uneven_collectives(world):
     assert all(out), out
 
 
+@pytest.mark.fast
 def test_pack_unpack_in_a_bucket_row():
     """The staging copies alone (no process): pieces padded to the largest,
     in a bucket row after another group's columns, and back; the padding zeroed."""

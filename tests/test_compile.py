@@ -159,7 +159,15 @@ def _import_hf() -> None:
         importlib.import_module("transformers")  # once here, inherited by forked ranks
 
 
-_LAUNCHES = Scenarios(_run_one, timeout=300, before_launch=_import_hf)
+def _wants(item) -> list[tuple[int, str]]:
+    """The scenarios a test asks for (a launch runs the selected tests')."""
+    params = item.callspec.params
+    if item.originalname == "test_compile_hf_model_vs_fsdp2":
+        return [(params["ws"], "hf/model"), (params["ws"], "hf/model_fsdp2")]
+    return [(params["ws"], params["name"])]
+
+
+_LAUNCHES = Scenarios(_run_one, timeout=300, before_launch=_import_hf, wants=_wants)
 
 
 def results(ws: int, name: str) -> list[dict]:

@@ -25,7 +25,8 @@ several forwards / backwards also run with the default buckets (parity, and
 bucketed counts).
 
 Process launches are the expensive part: every case of one world size runs in
-ONE launch (cached per module), each case with fresh models. A case that
+ONE launch (cached per module), each case with fresh models; the cases that
+the selected tests ask for (``_wants``: ``-k`` one test, its cases). A case that
 raises stops its launch; the cases after it are re-run in a new launch, so
 every test reports its own result. Parity problems do not raise inside the
 ranks: they are returned and asserted here, with every rank's messages.
@@ -684,7 +685,29 @@ def _import_hf() -> None:
         importlib.import_module("transformers")  # once here, inherited by forked ranks
 
 
-_LAUNCHES = Scenarios(_run_one, timeout=lambda n: 90 + 10 * n, before_launch=_import_hf)
+def _wants(item) -> List[tuple]:
+    """The cases a test below asks for, as (world size, name): a launch runs
+    the cases of the selected tests (every case when the whole file runs)."""
+    if item.cls is not None and item.cls.__name__ == "TestRecomputeSchedule":
+        return [(2, "schedule")]
+    p = item.callspec.params
+    fn = item.originalname
+    if fn == "test_activation_checkpointing":  # and its baseline without AC
+        names = [p["name"], f"ac/none/raf={p['name'].endswith('raf=True')}"]
+    elif "name" in p:
+        names = [p["name"]]
+    else:
+        names = [{"test_register_fsdp_forward_method": "generate",
+                  "test_inner_unit_called_before_root": "direct_call_first",
+                  "test_multiple_forwards_and_backwards": "multi/{kind}/{mode}/raf={raf}",
+                  "test_hf_models": "hf/{kind}/ac={ac}",
+                  "test_hf_llama_dpo_two_forwards": "hf_dpo/llama/ac={ac}",
+                  "test_autograd_grad_wrt_input": "input_grad/raf={raf}"}[fn].format(**p)]
+    return [(p["ws"], n) for n in names]
+
+
+_LAUNCHES = Scenarios(_run_one, timeout=lambda n: 90 + 10 * n, before_launch=_import_hf,
+                      wants=_wants)
 
 
 def results(ws: int, name: str) -> list:

@@ -680,6 +680,7 @@ def test_inline_flags_keep_16_byte_alignment():
             assert bad == [], bad
 
 
+@pytest.mark.fast
 def test_streams_are_made_on_the_managers_device():
     """Finding 11: the side streams (and the compute stream asked for) are
     the manager's device's, not the current device's."""

@@ -106,6 +106,7 @@ def test_demo_trains_2d_dp2_tp2_at_world_size_4():
     (["--world-size", "4", "--tp", "4", "--dim", "96"], "must divide the 3 heads"),
     (["--world-size", "3", "--tp", "3", "--dim", "96"], "MLP hidden size 256"),
 ])
+@pytest.mark.fast
 def test_cli_rejects_bad_tp(capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
         main(["demo", *argv])
@@ -113,6 +114,7 @@ def test_cli_rejects_bad_tp(capsys, argv, msg):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -129,6 +131,7 @@ def test_cli_help(capsys):
         assert opt in out
 
 
+@pytest.mark.fast
 def test_batch_sampler_splits_the_global_batch():
     tokens = torch.arange(1000)
     samplers = [BatchSampler(tokens, global_batch=6, seq_len=16, rank=r, world_size=3, seed=7)
@@ -144,6 +147,7 @@ def test_batch_sampler_splits_the_global_batch():
         BatchSampler(tokens, global_batch=7, seq_len=16, rank=0, world_size=2, seed=0)
 
 
+@pytest.mark.fast
 def test_model_tied_and_deterministic():
     a, b = _model(), _model()
     assert a.output.weight is a.tok_embeddings.weight

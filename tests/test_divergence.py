@@ -443,6 +443,7 @@ def test_two_models_alive_side_by_side_with_faults(world):
         assert len(reference) == 3 and losses == reference, (losses, reference)
 
 
+@pytest.mark.fast
 def test_the_step_check_is_on_by_default_and_has_a_switch(monkeypatch):
     from fsdp_compose import _divergence
     monkeypatch.delenv("FSDP_COMPOSE_STEP_CHECK", raising=False)

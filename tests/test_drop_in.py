@@ -21,7 +21,7 @@ from fsdp_compose import fully_shard
 
 from ._checkpoint_net import V, Net, batch, shard_fsdp2, shard_ours, train
 from ._dist import run_distributed
-from ._support import OptimizerContainer
+from ._support import OnFirstUse, OptimizerContainer
 
 TIMEOUT = 120
 
@@ -212,7 +212,8 @@ class _Unknown(torch.optim.Optimizer):
 
 @pytest.fixture(scope="module")
 def runs():
-    return {w: run_distributed(_run, w, timeout=TIMEOUT) for w in (2, 4)}
+    """world size (2 or 4) -> per-rank results: one launch per world size a test uses."""
+    return OnFirstUse(lambda w: run_distributed(_run, w, timeout=TIMEOUT))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -222,6 +223,7 @@ def test_torch_policies_and_fsdp_module(runs, world):
         assert r["mp_losses"] == r["mp_losses_ours"]
 
 
+@pytest.mark.fast
 def test_every_public_method_of_torchs_fsdp_module_is_ours():
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
     public = [n for n, v in vars(TorchFSDPModule).items()

@@ -1,13 +1,29 @@
-"""FlatGroup reads its GroupSpec's fields as its own, read-only; no processes."""
+"""FlatGroup reads its GroupSpec's fields as its own, read-only; no processes
+(a world of one on torch's fake process group, in this process)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose._flat_group import FlatGroup, GroupSpec
+
+pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
+
+
+@pytest.fixture(autouse=True)
+def _default_group():
+    """FlatGroup asks the backend (of the default group: ``pg=None``) whether
+    uneven pieces are padded."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def _group() -> FlatGroup:

@@ -107,6 +107,7 @@ def test_a_part_past_its_limit_is_reported_and_the_rest_runs(tmp_path):
     assert report["ws1"] == {}
 
 
+@pytest.mark.fast
 def test_stream_spans_reads_device_events(tmp_path):
     """``tools.timeline.stream_spans``: kernels and copies per CUDA stream,
     the busiest named compute, the side streams' overlap with it."""
@@ -136,6 +137,7 @@ def test_stream_spans_reads_device_events(tmp_path):
         assert os.path.getsize(png) > 1000
 
 
+@pytest.mark.fast
 def test_sanitizer_reports_are_found_whole():
     """A report of torch's CUDA sanitizer raises ``CUDASanitizerErrors`` at the
     racing op; the part finds it also when it comes wrapped (raised in a

@@ -86,6 +86,7 @@ def test_default_device_follows_the_backend_config():
                        "nccl": ("cuda", "cuda"), "gloo": ("cpu", "cpu")}, res
 
 
+@pytest.mark.fast
 def test_the_cuda_job_answers_the_optimizers_graph_capture_check():
     """The optimizers' ``step()`` asks whether the current CUDA stream is
     capturing a graph once CUDA is available: torch 2.11 through

@@ -14,6 +14,8 @@ import torch.nn as nn
 from fsdp_compose import _divergence, comm_stats, fully_shard
 from fsdp_compose._registry import unit_of
 
+pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
+
 
 def _one_job() -> dict:
     """Train a step of a two-unit model, then stop (as a DivergenceError

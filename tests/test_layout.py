@@ -86,6 +86,7 @@ def _bound(slots, W, align, granularity, layout=None) -> int:
     return (total + max(total // 64, W * row)) // W
 
 
+@pytest.mark.fast
 def test_rows_example():
     # Linear(16, 32) + bias, Linear(32, 16) + bias at 4 ranks, fp32 (align 4)
     slots = [Slot(32, 16), Slot(32, 1), Slot(16, 32), Slot(16, 1)]
@@ -100,6 +101,7 @@ def test_rows_example():
     assert lay.rank_numel() == (272, 272, 256, 272)
 
 
+@pytest.mark.fast
 def test_rows_boundary_moves_to_a_row_boundary():
     # a 1-d parameter of 6 elements, then a (3, 5) matrix, at 2 ranks: 12 and
     # 14 would cut the matrix mid-row (or make it span both boundaries); with
@@ -111,6 +113,7 @@ def test_rows_boundary_moves_to_a_row_boundary():
     assert [lay.rows_on(1, r) for r in range(2)] == [(0, 2), (2, 3)]
 
 
+@pytest.mark.fast
 def test_big_parameter_spans_several_ranks():
     # an embedding (100 rows of 12) alone over 8 ranks: every chunk whole rows
     lay = plan([Slot(100, 12)], 8, 4)
@@ -121,11 +124,13 @@ def test_big_parameter_spans_several_ranks():
     assert rows[-1][1] == 100
 
 
+@pytest.mark.fast
 def test_single_rows_are_never_split():
     lay = plan([Slot(1, 10), Slot(1, 10), Slot(1, 10)], 2, 4)
     _check(lay, 4)
 
 
+@pytest.mark.fast
 def test_zero_d_and_empty_parameters():
     slots = [Slot(1, 1), Slot(0, 7), Slot(5, 3), Slot(1, 1)]
     for W in (1, 2, 4):
@@ -133,6 +138,7 @@ def test_zero_d_and_empty_parameters():
             _check(plan(slots, W, 4, g), 4)
 
 
+@pytest.mark.fast
 def test_world_size_one_holds_everything():
     slots = [Slot(7, 3), Slot(3, 1), Slot(1, 1)]
     for g in ("row", "tensor"):
@@ -141,6 +147,7 @@ def test_world_size_one_holds_everything():
         assert [lay.rows_on(i, 0) for i in range(3)] == [(0, 7), (0, 3), (0, 1)]
 
 
+@pytest.mark.fast
 def test_tensor_largest_first_least_loaded():
     # sizes 40, 30, 20, 10, 10 over 2 ranks: 40->0, 30->1, 20->1, 10->0, 10->0
     slots = [Slot(10, 1), Slot(40, 1), Slot(20, 1), Slot(30, 1), Slot(10, 1)]
@@ -153,11 +160,13 @@ def test_tensor_largest_first_least_loaded():
     assert [p.entry for p in lay.pieces(0)] == [0, 1, 4]
 
 
+@pytest.mark.fast
 def test_bad_granularity():
     with pytest.raises(ValueError, match="granularity"):
         plan([Slot(2, 2)], 2, 4, "block")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
 def test_random_groups(granularity):
     rng = random.Random(0)
@@ -184,6 +193,7 @@ def test_random_groups(granularity):
                 assert forced.even or not even
 
 
+@pytest.mark.fast
 def test_large_odd_rows_plan_quickly():
     # a 768 x 50257 matrix spans several chunks over 8 ranks, so the chunk is a
     # multiple of 50257: after _LINEAR_TRIES fills stepping by 4 the search
@@ -227,8 +237,13 @@ def _model(dim: int, layers: int, W: int, carry: bool = True, even=None):
 BOUND = {256: 1.02, 1024: 1.02, 4096: 1.05}
 
 
-@pytest.mark.parametrize("dim,layers", [(4096, 32), (8192, 80)], ids=["6.6B", "70B"])
-@pytest.mark.parametrize("W", [256, 1024, 4096])
+# (the one-minute tier takes the cases of a second or less)
+@pytest.mark.parametrize("W,dim,layers", [
+    pytest.param(W, dim, layers, id=f"{W}-{name}",
+                 marks=[pytest.mark.fast] if (W, name) in {(256, "6.6B"), (1024, "6.6B"),
+                                                           (256, "70B")} else [])
+    for name, (dim, layers) in (("6.6B", (4096, 32)), ("70B", (8192, 80)))
+    for W in (256, 1024, 4096)])
 def test_llama_at_thousands_of_ranks(dim, layers, W):
     """The issue's shapes (docs/design.md, "Row-granular shards at scale"):
     the blocks get uneven pieces whose largest is the smallest possible
@@ -280,6 +295,7 @@ def test_carry_evens_out_identical_blocks():
     assert max(alone) > 1.05 * total / W
 
 
+@pytest.mark.fast
 def test_equal_chunks_kept_where_they_pad_little():
     """Small world sizes keep the equal chunks they had (one equal-size
     collective; the recorded schedules' byte counts unchanged): the memory
@@ -300,6 +316,7 @@ def test_equal_chunks_kept_where_they_pad_little():
     assert plan([Slot(32, 16), Slot(32, 1), Slot(16, 32), Slot(16, 1)], 4, 4).chunk == 272
 
 
+@pytest.mark.fast
 def test_uneven_bounds_by_hand():
     # (6,) then (3, 5), align 2, over 2 ranks: targets at 11 (no loads) fall
     # inside the matrix, rows at 6, 11, 16 (aligned: 6, 16) -> the nearest, 6;
@@ -322,6 +339,7 @@ def test_uneven_bounds_by_hand():
     assert sorted(lay.shard_numel(r) for r in range(8)) == [0] * 4 + [8] * 4
 
 
+@pytest.mark.fast
 def test_random_groups_with_loads():
     rng = random.Random(1)
     for _ in range(300):
@@ -335,6 +353,7 @@ def test_random_groups_with_loads():
         assert lay.numel % (W * align) == 0
 
 
+@pytest.mark.fast
 def test_plans_a_70b_block_at_4096_ranks_quickly():
     """Counted, not timed: equal chunks are ruled out before any fill (the
     largest matrices would each hold whole chunks, whose size must then be a

@@ -144,6 +144,7 @@ def test_optimizers_needing_whole_tensors_raise_on_every_rank(guard, name, needl
             assert needle in msg, (rank, name, msg)
 
 
+@pytest.mark.fast
 def test_declare_optimizer_rejects_bad_input():
     with pytest.raises(ValueError, match="kind must be one of"):
         fsdp_compose.declare_optimizer(torch.optim.SGD, "rowwise")

@@ -190,6 +190,7 @@ def test_plan_4096_ranks_of_a_70b_shape_takes_seconds():
     assert r["param_bytes"] <= 1.05 * r["param_bytes_ideal"]
 
 
+@pytest.mark.fast
 def test_hsdp_proposal_when_the_share_is_a_row_or_less():
     """At 4096 ranks a dim-128 demo's blocks give each rank under a row:
     equal chunks of one row pad them several times over, and the planner
@@ -229,6 +230,7 @@ SETTINGS = ["model", "dim", "layers", "vocab", "units", "mp", "offload",
             "prefetch_depth", "bucket_bytes", "schedule", "backend"]
 
 
+@pytest.mark.fast
 def test_json_schema_is_stable(capsys):
     assert main(["--model", "demo", "--world-size", "2", "4", "--hsdp", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -254,6 +256,7 @@ def test_table_and_measure_cli():
     assert "DIFFERS" not in out
 
 
+@pytest.mark.fast
 def test_compare_flags_a_difference():
     wp = plan_world(GLOO, 2)
     measured = [predicted_for_rank(wp, r) for r in range(2)]
@@ -264,11 +267,13 @@ def test_compare_flags_a_difference():
     assert [r[3] for r in rows if r[0] == "optim_bytes"] == ["20.0%"]
 
 
+@pytest.mark.fast
 def test_muon_needs_the_tensor_layout():
     with pytest.raises(SystemExit, match="needs --shard-granularity tensor"):
         main(["--optimizer", "muon"])
 
 
+@pytest.mark.fast
 def test_uneven_tensor_layout_reports_the_most_loaded_rank():
     """With the tensor layout, ranks hold different parameters: the plan
     reports the rank with the most bytes, which is not the mean."""

@@ -122,7 +122,7 @@ def _step(world: int, rank: int, cfg) -> dict:
     return {"comm": c, "calls": calls, "checked": checked}
 
 
-@pytest.mark.parametrize("world", [256, 1024, 4096])
+@pytest.mark.parametrize("world", [pytest.param(256, marks=pytest.mark.fast), 1024, 4096])
 def test_one_step_at_scale_issues_the_planners_collectives(world):
     from tools.plan import plan_world
     cfg = _config()

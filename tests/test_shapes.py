@@ -35,6 +35,7 @@ from fsdp_compose._registry import SHARDED as _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece
+from ._support import OnFirstUse
 
 V, D, H, T, ROWS, STEPS = 17, 12, 20, 6, 8, 4
 RTOL = 1e-5
@@ -241,7 +242,8 @@ def _all(rank, world) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return {ws: run_distributed(_all, ws) for ws in (1, 2, 4)}
+    """world size (1, 2 or 4) -> per-rank results: one launch per world size a test uses."""
+    return OnFirstUse(lambda ws: run_distributed(_all, ws))
 
 
 SCENARIOS = ["shapes_row", "shapes_tensor", "ndim_groups_row", "ndim_groups_tensor", "muon",

@@ -131,6 +131,7 @@ def test_side_stream_protocol_padded(world):
         assert check_stream_protocol(streams["log"]) == []
 
 
+@pytest.mark.fast
 def test_protocol_check_can_fail():
     """The checker catches a collective on the wrong stream, a missing hand-off
     and an early release."""

@@ -8,6 +8,8 @@ import pytest
 from fsdp_compose._common import TrainingState as S
 from fsdp_compose._unit import _MOVES, Unit
 
+pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
+
 
 def _unit(state: S) -> Unit:
     u = Unit.__new__(Unit)  # (only the fields the state machine reads)
