@@ -206,9 +206,17 @@ def _staging_index(bounds: tuple, slot: int, row: int, at: int, device: torch.de
     return got
 
 
+_SLOTS: dict = {}
+
+
 def staging_slot(bounds: tuple) -> int:
-    """The padded piece: the largest."""
-    return max(b - a for a, b in zip(bounds, bounds[1:]))
+    """The padded piece: the largest (a pass over W pieces, made once per layout)."""
+    slot = _SLOTS.get(bounds)
+    if slot is None:
+        slot = _SLOTS[bounds] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        if len(_SLOTS) > _INDEX_KEPT:
+            _SLOTS.pop(next(iter(_SLOTS)))
+    return slot
 
 
 def pack(staging: torch.Tensor, flat: torch.Tensor, bounds: tuple, slot: int,
@@ -247,9 +255,8 @@ class _Then:
         return True
 
 
-def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, at):
+def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, slot: int, at):
     W, r = len(bounds) - 1, dist.get_rank(group)
-    slot = staging_slot(bounds)
     staging = output.new_empty(W * slot)
     mine = staging[r * slot:(r + 1) * slot]
     n = bounds[r + 1] - bounds[r]
@@ -265,9 +272,9 @@ def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, at):
     return _Then(_Works([work], at) if output.device.type == "cpu" else work, finish)
 
 
-def _padded_reduce_scatter(flat_grad, group, op, out, async_op: bool, bounds: tuple, at):
+def _padded_reduce_scatter(flat_grad, group, op, out, async_op: bool, bounds: tuple, slot: int,
+                           at):
     W, r = len(bounds) - 1, dist.get_rank(group)
-    slot = staging_slot(bounds)
     staging = flat_grad.new_empty(W * slot)
     pack(staging, flat_grad, bounds, slot)
     res = flat_grad.new_empty(slot)
@@ -298,9 +305,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     _stats().all_gather_calls += 1
     at = _divergence.next_op(group)
     if padded and bounds is not None:
-        _stats().all_gather_bytes += (len(bounds) - 1) * staging_slot(bounds) \
-            * output.element_size()
-        return _padded_all_gather(output, shard, group, async_op, bounds, at)
+        slot = staging_slot(bounds)
+        _stats().all_gather_bytes += (len(bounds) - 1) * slot * output.element_size()
+        return _padded_all_gather(output, shard, group, async_op, bounds, slot, at)
     _stats().all_gather_bytes += _nbytes(output)
     gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
     if gloo is None:
@@ -330,9 +337,9 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     _stats().reduce_scatter_calls += 1
     at = _divergence.next_op(group)
     if padded and bounds is not None:
-        _stats().reduce_scatter_bytes += (len(bounds) - 1) * staging_slot(bounds) \
-            * flat_grad.element_size()
-        return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, at)
+        slot = staging_slot(bounds)
+        _stats().reduce_scatter_bytes += (len(bounds) - 1) * slot * flat_grad.element_size()
+        return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, slot, at)
     _stats().reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = (_in_place_gloo(flat_grad, group) if bounds is None
             else _uneven_in_place(group, flat_grad))

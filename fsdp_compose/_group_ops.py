@@ -54,23 +54,11 @@ def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> l
     ``bucket_key`` share one collective; else (one unit) each group alone,
     but for the unit's extension groups (float8 weights) and padded uneven
     groups, which share one per key (never one collective per weight)."""
-    paths: list[list] = []
-    if bucket:
-        by_key: dict[tuple, list] = {}
-        for u in units:
-            for g in u.trainable:
-                by_key.setdefault(g.grad.bucket_key(), []).append(g.grad)
-        paths = list(by_key.values())
-    else:
-        (unit,) = units
-        shared: dict[tuple, list] = {}
-        for g in unit.trainable:
-            if g.shares_reduce():
-                key = g.grad.bucket_key()
-                if key not in shared:
-                    shared[key] = []
-                    paths.append(shared[key])
-                shared[key].append(g.grad)
-            else:
-                paths.append([g.grad])
+    assert bucket or len(units) == 1, units  # (not a bucket: a unit alone)
+    by_key: dict[tuple, list] = {}
+    for u in units:
+        for g in u.trainable:
+            key = g.grad.bucket_key() if bucket or g.shares_reduce() else (id(g),)
+            by_key.setdefault(key, []).append(g.grad)
+    paths = list(by_key.values())
     return [launch for bucket_paths in paths for launch in launch_bucket(bucket_paths, streams)]
