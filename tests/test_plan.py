@@ -227,7 +227,7 @@ SCHEMA = {
 }
 SETTINGS = ["model", "dim", "layers", "vocab", "units", "mp", "offload",
             "reshard_after_forward", "hsdp", "optimizer", "shard_granularity", "row_layout",
-            "prefetch_depth", "bucket_bytes", "schedule", "backend"]
+            "prefetch_depth", "bucket_bytes", "schedule", "backend", "links"]
 
 
 @pytest.mark.fast

@@ -77,8 +77,7 @@ class GroupInfo:
     layout: _layout.Layout
     offload: bool = False    # CPUOffloadPolicy: shards and gradient shards in host memory
     entries: list = field(default_factory=list)  # (fqn, ndim, rows) per parameter
-    padded: bool = False     # uneven pieces, one equal-size collective padded to ``slot``
-    padded_any: bool = False  # the backend pads uneven pieces (whether or not these are)
+    pads: bool = False       # the backend pads uneven pieces to one equal-size collective
 
     @property
     def trainable(self) -> bool:
@@ -88,6 +87,11 @@ class GroupInfo:
     def even(self) -> bool:
         """Equal chunks (else uneven pieces: padded, or on gloo alone)."""
         return self.layout.even
+
+    @property
+    def padded(self) -> bool:
+        """Uneven pieces, gathered and reduced padded to ``slot``."""
+        return self.pads and not self.even
 
     @property
     def slot(self) -> int:
@@ -185,8 +189,7 @@ def describe(root_unit, blocks: list, padded: bool = True) -> list[UnitInfo]:
                 converts_grad=g.reduce_dtype != g.dtype, requires_grad=g.requires_grad,
                 direct=g.direct, aliased=g.aliased, world=g.world, replicas=g.replicas,
                 post_forward=g.post_forward.size if g.post_forward is not None else None,
-                layout=g.layout, offload=g.offload, padded=padded and not g.layout.even,
-                padded_any=padded,
+                layout=g.layout, offload=g.offload, pads=padded,
                 entries=[(e.fqn, len(e.shape), e.shape[0] if len(e.shape) else 1)
                          for e in g.entries])
             groups.append(info)
@@ -623,7 +626,7 @@ def _step_bytes(groups: list[GroupInfo], gathers: dict, layout_of) -> int:
     for g in groups:
         lay, replicas = layout_of(g)
         # what the collective moves: the flat, or every piece padded to the largest
-        moved = lay.world * lay.chunk if g.padded_any and not lay.even else lay.numel
+        moved = lay.world * lay.chunk if g.pads and not lay.even else lay.numel
         if lay.world > 1:
             total += gathers.get(id(g), 0) * moved * g.compute_itemsize
         if g.trainable:
@@ -682,15 +685,15 @@ def hsdp_proposal(units: list[UnitInfo], step: Step, world: int,
 # ------------------------------------------------------------- what NCCL sees
 # (latency per collective in seconds, bus bandwidth in bytes/s): a ring moves
 # (W-1)/W of an all-gather's output or a reduce-scatter's input per rank, and
-# twice that for an all-reduce. Defaults: NVLink within a node (H100/H200
-# class), InfiniBand NDR across nodes; tools.plan --alpha-us / --beta-gbs.
-ALPHA_BETA = {"nvlink": (10e-6, 300e9), "ib": (25e-6, 40e9)}
+# twice that for an all-reduce. The links and their defaults (NVLink within a
+# node, InfiniBand NDR across nodes): tools.plan's PlanConfig.links,
+# --alpha-us / --beta-gbs.
 
 
-def _estimate(calls: int, ag_rs_bytes: float, ar_bytes: float, world: int) -> dict:
+def _estimate(calls: int, ag_rs_bytes: float, ar_bytes: float, world: int,
+              links: tuple) -> dict:
     ring = (world - 1) / world if world > 1 else 0.0
-    return {k: calls * a + (ag_rs_bytes + 2 * ar_bytes) * ring / b
-            for k, (a, b) in ALPHA_BETA.items()}
+    return {k: calls * a + (ag_rs_bytes + 2 * ar_bytes) * ring / b for k, a, b in links}
 
 
 def _fsdp2_numel(g: GroupInfo) -> int:
@@ -700,11 +703,12 @@ def _fsdp2_numel(g: GroupInfo) -> int:
     return sum(-(-s.rows // W) * W * s.row_numel for s in g.layout.slots)
 
 
-def nccl_view(units: list[UnitInfo], step: "Step", padded: bool) -> dict:
+def nccl_view(units: list[UnitInfo], step: "Step", padded: bool, links: tuple) -> dict:
     """Per step: c10d calls and the NCCL operations they become, bytes,
     collective padding and an alpha-beta estimate, for our layout and for
     FSDP2's (one all-gather per unit gather, one reduce-scatter per unit
-    with gradients, each parameter padded to W rows) on the same schedule."""
+    with gradients, each parameter padded to W rows) on the same schedule;
+    ``links``: the estimate's (name, latency s, bus bandwidth B/s)."""
     c = step.comm
     calls = c.all_gather_calls + c.reduce_scatter_calls + c.all_reduce_calls
     groups = [g for u in units for g in u.groups]
@@ -735,9 +739,9 @@ def nccl_view(units: list[UnitInfo], step: "Step", padded: bool) -> dict:
         "nccl_ops_list_forms": calls + (world - 1) * uneven,
         "collective_bytes": ag_rs + c.all_reduce_bytes,
         "collective_padding_percent": 100 * (ag_rs / max(moved_params, 1) - 1),
-        "est_seconds": _estimate(calls, ag_rs, c.all_reduce_bytes, world),
+        "est_seconds": _estimate(calls, ag_rs, c.all_reduce_bytes, world, links),
         "fsdp2": {"calls": f2_calls, "bytes": f2_bytes,
                   "padding_percent": 100 * (f2_params / max(params, 1) - 1),
                   "param_bytes": f2_rank,
-                  "est_seconds": _estimate(f2_calls, f2_bytes, 0, world)},
+                  "est_seconds": _estimate(f2_calls, f2_bytes, 0, world, links)},
     }

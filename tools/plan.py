@@ -72,6 +72,8 @@ class PlanConfig:
     # the collectives' backend: uneven pieces are padded to one equal-size
     # collective on every backend but gloo; None: gloo with the gloo schedule
     backend: str | None = None
+    # the communication estimate's links: (name, latency s, bus bandwidth B/s)
+    links: tuple = (("nvlink", 10e-6, 300e9), ("ib", 25e-6, 40e9))
 
     @property
     def pads(self) -> bool:
@@ -307,7 +309,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
         "plan_seconds": round(time.perf_counter() - t0, 3),
     }
     row["hsdp_proposal"] = _planner.hsdp_proposal(units, step, world) if cfg.hsdp == 1 else None
-    row.update(_planner.nccl_view(units, step, cfg.pads))
+    row.update(_planner.nccl_view(units, step, cfg.pads, cfg.links))
     return WorldPlan(row, ranks, step)
 
 
@@ -419,8 +421,7 @@ def format_plan(cfg: PlanConfig, rows: list[dict], plain: bool = False) -> str:
              f"{r0['units']} units; bytes per rank (the most-loaded rank), per step for "
              "collectives (bytes / calls)")
     text = _table(title, [h for h, _ in cols], [[f(r) for _, f in cols] for r in rows], plain)
-    from tools import _planner
-    a = _planner.ALPHA_BETA
+    a = {name: (alpha, beta) for name, alpha, beta in cfg.links}
     nccl = _table("What NCCL sees per step (all-gathers, reduce-scatters and all-reduces): "
                   "c10d calls, the NCCL operations they become (with the list forms that "
                   "uneven pieces used to take), bytes, collective padding, the most-loaded "
@@ -440,9 +441,11 @@ def hsdp_warning(r: dict) -> str:
     p, n = r["hsdp_proposal"], r["world_size"]
     fsdp = p["fsdp_bytes"]
     return (f"warning: at {n} ranks the per-rank share is so small that the layout's padding "
-            f"({_size(r['padding_bytes'])}, {r['padding_percent']:.1f}% of the parameters) "
-            f"outweighs it: HSDP over shard groups of {p['shard']} ranks (--hsdp "
-            f"{n // p['shard']}) would move {_size(p['bytes'])} per step instead of "
+            f"({_size(r['padding_bytes'])}, {r['padding_percent']:.1f}% of the parameters; "
+            f"{r['collective_padding_percent']:.1f}% of the collectives' bytes, every piece "
+            f"padded to its group's largest) outweighs it: HSDP over shard groups of "
+            f"{p['shard']} ranks (--hsdp {n // p['shard']}) would move {_size(p['bytes'])} "
+            "per step instead of "
             f"{_size(fsdp)} ({100 * (p['bytes'] / fsdp - 1):+.0f}%, all-gather + reduce-scatter "
             f"+ all-reduce bytes, used-flags left out)")
 
@@ -553,14 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args, worlds: list[int], schedule: str) -> PlanConfig:
-    from tools import _planner
-    for i, name in enumerate(("nvlink", "ib")):
-        alpha, beta = _planner.ALPHA_BETA[name]
+    links = []
+    for i, (name, alpha, beta) in enumerate(PlanConfig.links):
         if getattr(args, "alpha_us", None):
             alpha = args.alpha_us[i] * 1e-6
         if getattr(args, "beta_gbs", None):
             beta = args.beta_gbs[i] * 1e9
-        _planner.ALPHA_BETA[name] = (alpha, beta)
+        links.append((name, alpha, beta))
     if args.optimizer == "muon" and args.shard_granularity != "tensor":
         raise SystemExit("plan: --optimizer muon needs --shard-granularity tensor (Muon needs "
                          "whole matrices; on row pieces its first step raises)")
@@ -573,7 +575,7 @@ def config_from_args(args, worlds: list[int], schedule: str) -> PlanConfig:
                       optimizer=args.optimizer, shard_granularity=args.shard_granularity,
                       row_layout=args.row_layout,
                       prefetch_depth=args.prefetch_depth, bucket_bytes=args.bucket_bytes,
-                      schedule=schedule)
+                      schedule=schedule, links=tuple(links))
 
 
 def main(argv: list[str] | None = None) -> int:
