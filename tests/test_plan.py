@@ -283,3 +283,20 @@ def test_uneven_tensor_layout_reports_the_most_loaded_rank():
     assert wp.ranks.optim[r["most_loaded_rank"]] == r["optim_bytes"]
     pieces = _planner.rank_pieces(wp.step.units[1].groups[0].layout)
     assert sum(len(p) for p in pieces) == len(wp.step.units[1].groups[0].entries)
+
+
+def test_link_options_set_the_estimate():
+    """--alpha-us / --beta-gbs reach the alpha-beta estimate (PlanConfig.links):
+    the latency term is calls x alpha, the bandwidth term bytes / beta."""
+    from tools.plan import build_parser, config_from_args
+    args = build_parser().parse_args(["--world-size", "4", "--alpha-us", "0", "0",
+                                      "--beta-gbs", "1", "2"])
+    cfg = config_from_args(args, [4], "cuda")
+    assert cfg.links == (("nvlink", 0.0, 1e9), ("ib", 0.0, 2e9))
+    slow = plan_world(dataclasses.replace(cfg, links=(("nvlink", 1e-3, 1e9), ("ib", 0.0, 2e9))),
+                      4).row
+    fast = plan_world(cfg, 4).row
+    calls = fast["collective_calls"]
+    assert slow["est_seconds"]["nvlink"] - fast["est_seconds"]["nvlink"] == pytest.approx(
+        calls * 1e-3)
+    assert fast["est_seconds"]["nvlink"] == pytest.approx(2 * fast["est_seconds"]["ib"])
