@@ -42,6 +42,7 @@ from ._common import TrainingState, rank as _rank
 from ._job import job
 from ._optim_kinds import steps_empty_pieces
 from ._registry import SHARDED, state_dict_slots, units_below
+from ._row_dtensor import RowParam, RowShard, local_of, row_param
 
 
 # ------------------------------------------------------------ rows <-> chunks
@@ -151,6 +152,11 @@ def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
     form]. A collective over the shard group (none on meta, nor inside
     ``shapes_only()``, which gives meta DTensors)."""
     meta = piece.is_meta or job().shapes_only
+    if e.row is not None:  # our rows as they are: no collective, no copy
+        local = local_of(piece)
+        if meta and not local.is_meta:
+            local = torch.empty(local.shape, dtype=local.dtype, device="meta")
+        return row_param(local, e.row)
     if e.tp is not None:
         local = (torch.empty(e.shape, dtype=piece.dtype, device="meta") if meta
                  else gather_entry(g, e, piece).clone())
@@ -239,6 +245,15 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
         if tuple(value.shape) != gshape:
             return (f"the checkpoint's tensor has shape {tuple(value.shape)}, the model's is "
                     f"{gshape}.")
+        placed = tuple(value.placements)
+        if any(isinstance(pl, RowShard) for pl in placed):  # (== Shard(0): tested first)
+            if e.row is not None and placed == tuple(e.row.placements) \
+                    and value.device_mesh == g.mesh:
+                dst.copy_(value._local_tensor.reshape(-1))
+                return None
+            value = value.full_tensor()  # another split: through the whole tensor
+            tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
+            return load_into(e.shape, e.local_range, value, dst, tp=tp)
         if (e.tp is not None and value.device_mesh == e.tp.mesh
                 and tuple(value.placements) == tuple(e.tp.placements)):
             return load_into(e.shape, e.local_range, value.to_local(), dst)
@@ -282,7 +297,7 @@ def _state_dict_hook(module, sd, prefix, local_metadata) -> None:
         if full is not None:
             if id(e) in full:
                 sd[key] = full[id(e)]
-        else:
+        elif e.row is None:  # (a RowParam is its own state-dict value)
             sd[key] = to_dtensor(g, e, e.sharded.detach())
 
 
@@ -309,7 +324,7 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
                 continue
             unit.modules[0].reshard()  # the shard is what we load; views re-gathered on use
         with torch.no_grad():
-            err = _load_entry(g, e, sd[key], e.sharded.detach().view(-1))
+            err = _load_entry(g, e, sd[key], local_of(e.sharded).detach().view(-1))
         if err:
             error_msgs.append(_msg(key, err))
         sd[key] = e.sharded  # the default load then copies the Parameter onto itself: no-op
@@ -377,8 +392,10 @@ def _is_sharded_state(v: Any, p: torch.Tensor) -> bool:
     state (exp_avg ...); anything else (step, scalars) is taken as replicated.
     (A sharded parameter is a row piece (the full shape at world size 1); a 0-d
     parameter's piece is 1-D, so its 0-d ``step`` is not mistaken for it.)"""
+    if isinstance(v, RowParam):  # per-element state of a RowParam parameter
+        return v.shape == p.shape
     return (isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() >= 1
-            and v.shape == p.shape)
+            and v.shape == local_of(p).shape)
 
 
 def _state_info(optim, ents) -> list[dict]:
@@ -447,7 +464,7 @@ def _full_optim_values(model: nn.Module, optim, keep: bool, cpu_offload: bool) -
                 for e in ents:
                     v = optim.state.get(e.sharded, {}).get(k)
                     if v is not None:
-                        buf[slice(*e.shard_range)].copy_(v.reshape(-1))
+                        buf[slice(*e.shard_range)].copy_(local_of(v).reshape(-1))
                 flat = _gather(g, buf)
                 for e, info, f in zip(ents, infos, full):
                     if k in info:
@@ -473,6 +490,11 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
     default group). Values already DTensors are left alone; the live state is
     never modified (its dicts are replaced, not written)."""
     keyed = _keyed_params(optim, osd)
+    if steps_empty_pieces(optim) and all(
+            (hit := SHARDED.get(p)) is None or hit[1].row is not None for _, p in keyed):
+        # every sharded parameter's state is RowParams already, held on every
+        # rank (an element-wise optimizer steps empty pieces too): nothing to do
+        return osd
     mine: dict = {}
     for pid, p in keyed:
         hit = SHARDED.get(p)
@@ -481,7 +503,7 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
             continue
         mine[pid] = {k: (("piece", v.dtype) if _is_sharded_state(v, p)
                          else ("value", v.detach().cpu() if isinstance(v, torch.Tensor) else v))
-                     for k, v in st.items() if not isinstance(v, DTensor)}
+                     for k, v in st.items() if not isinstance(v, DTensor) or isinstance(v, RowParam)}
     merged = {pid: dict(info) for pid, info in mine.items()}
     if _world_group_size() > 1:
         every: list = [None] * dist.get_world_size()
@@ -508,7 +530,7 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
             if kind == "piece":
                 piece = old.get(k)
                 if piece is None:  # none here (a whole-tensor optimizer, 0 rows held)
-                    piece = torch.zeros(p.shape, dtype=v, device=p.device)
+                    piece = torch.zeros(e.piece_shape, dtype=v, device=p.device)
                 new[k] = to_dtensor(g, e, piece.detach())
             else:
                 new[k] = old[k] if k in old else (v.clone() if isinstance(v, torch.Tensor) else v)
@@ -824,18 +846,20 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit,
         return v
     g, e = hit
     gshape = tuple(e.tp.shape) if e.tp is not None else tuple(e.shape)
+    shape = tuple(local_of(p).shape)  # this rank's piece
     full = (isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
-            and tuple(v.shape) == gshape and tuple(v.shape) != tuple(p.shape))
+            and tuple(v.shape) == gshape and tuple(v.shape) != shape)
     if not (isinstance(v, DTensor) or full):
         return v
     dtype = v.dtype
+    live = local_of(live) if isinstance(live, torch.Tensor) else live
     if (isinstance(live, torch.Tensor) and not isinstance(live, DTensor)
-            and live.shape == p.shape and live.dtype == dtype and live.device == p.device
+            and tuple(live.shape) == shape and live.dtype == dtype and live.device == p.device
             and live.is_contiguous()):
         dst = live
     else:
-        dst = torch.empty(p.shape, dtype=dtype, device=p.device)
+        dst = torch.empty(shape, dtype=dtype, device=p.device)
     err = _load_entry(g, e, v, dst.view(-1))
     if err:
         raise ValueError(_msg(f"{fqn}' optimizer state '{key}", err))
-    return dst
+    return dst if e.row is None else row_param(dst, e.row)

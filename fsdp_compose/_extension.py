@@ -194,6 +194,7 @@ class ExtensionGroup(FlatGroup):
         self._new_shard(device)
         e = self.entries[0]
         e.ext = ExtSpec(self.mesh, e.shape, _layout.contiguous_stride(e.shape))
+        e.row = None  # (shown as FSDP2 shows it: torch.chunk's Shard(0))
         with torch.no_grad():
             local = rebuild(self._template, e.piece(self.shard))
             e.sharded = nn.Parameter(e.ext.wrap(local), requires_grad=self._trains[0])

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from . import _collectives, _layout
 from ._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._grad_path import GradientPath
-from ._param_entry import ParamEntry, make_entries
+from ._param_entry import ParamEntry, make_entries, user_attrs
 from ._streams import Pending, StreamManager
 
 # which collective a unit waits for, in a DivergenceError (see _divergence.py)
@@ -190,7 +190,7 @@ class FlatGroup:
         # uneven pieces through one padded equal-size collective (decided by the
         # backend once: [Note: padded collectives] in _collectives.py)
         self._pads = world > 1 and _collectives.pads(pg, device)
-        self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank)
+        self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank, mesh)
         self._split_sizes, self._view_at = layout.split_plan()
         self.spec = replace(self.spec, mode=self._decide_mode())
         self.grad = GradientPath(self)  # the gradient half (_grad_path.py)
@@ -283,13 +283,13 @@ class FlatGroup:
         shard, meta = self.shard, device.type == "meta"
         for i, (e, trains) in enumerate(zip(self.entries, self._trains)):
             if params is None:
-                e.sharded = nn.Parameter(e.piece(shard), requires_grad=trains)
+                e.sharded = e.new_sharded(e.piece(shard), trains)
                 continue
             p = params[i]
             with torch.no_grad():
                 if not meta and not p.is_meta and e.shard_range[1] > e.shard_range[0]:
-                    shard[slice(*e.shard_range)].copy_(p.detach().reshape(-1))
-                p.data = e.piece(shard)
+                    shard[slice(*e.shard_range)].copy_(e.rows_of(p).detach().reshape(-1))
+                p.data = e.as_sharded_data(e.piece(shard))
             e.sharded = p
         if self.aliased:
             self.flat = shard.data  # alias, own version counter; never freed
@@ -305,7 +305,7 @@ class FlatGroup:
 
     def _copy_attrs(self, e: ParamEntry, p: torch.Tensor) -> None:
         """The user attributes of original parameter ``p`` onto its sharded Parameter."""
-        e.sharded.__dict__.update(p.__dict__)
+        e.sharded.__dict__.update(user_attrs(p))
 
     def set_grad_hook(self, hook) -> None:
         """``hook`` runs when the flat gradient is accumulated (the post-backward);
@@ -346,7 +346,7 @@ class FlatGroup:
         old = [e.sharded for e in self.entries]
         self._allocate(device)
         for e, o in zip(self.entries, old):
-            e.sharded.__dict__.update(o.__dict__)
+            e.sharded.__dict__.update(user_attrs(o))
         self.install_sharded()
 
     def adopt_params(self, params: list) -> None:

@@ -131,7 +131,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 if e is not None:
                     a, b = e.local_range
                     with torch.no_grad():
-                        e.sharded.detach().view(-1).copy_(t.reshape(-1)[a:b])
+                        e.rows_of(e.sharded).detach().view(-1).copy_(t.reshape(-1)[a:b])
                     done.add(id(e))
         finally:
             for name, e, _t, _scratch in pieces:

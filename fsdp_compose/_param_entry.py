@@ -17,6 +17,16 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from . import _compat
 from ._layout import Layout
+from ._row_dtensor import local_of, row_param, row_spec
+
+# A DTensor Parameter's own attributes: never copied between Parameter objects
+# (the user's attributes are: see user_attrs).
+_DTENSOR_OWN = frozenset({"_spec", "_local_tensor", "_is_param", "_fsdp_name"})
+
+
+def user_attrs(p: torch.Tensor) -> dict:
+    """The attributes a user (or a library) set on parameter ``p``."""
+    return {k: v for k, v in p.__dict__.items() if k not in _DTENSOR_OWN}
 
 
 class TPSpec(NamedTuple):
@@ -79,6 +89,25 @@ class ParamEntry:
     unsharded: torch.Tensor = None  # type: ignore[assignment]
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
     ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
+    # the sharded Parameter is a RowParam DTensor of this spec (_row_dtensor.py);
+    # None: a plain tensor (one rank, HSDP, TP, 0-d; docs/design.md)
+    row: object = None
+
+    def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """The sharded Parameter over ``local`` (this rank's rows, a view of the shard)."""
+        if self.row is None:
+            return nn.Parameter(local, requires_grad=requires_grad)
+        p = nn.Parameter(row_param(local, self.row), requires_grad=requires_grad)
+        p._fsdp_name = self.fqn
+        return p
+
+    def as_sharded_data(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` in the form ``p.data`` of the sharded Parameter takes."""
+        return local if self.row is None else row_param(local, self.row)
+
+    def rows_of(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the sharded Parameter (or of a tensor shaped like it)."""
+        return local_of(p)
 
     @property
     def numel(self) -> int:
@@ -105,16 +134,23 @@ class ParamEntry:
     def set_grad(self, grad: torch.Tensor | None) -> None:
         """``p.grad`` of the sharded Parameter: ``grad`` (this rank's rows), as
         a DTensor where the Parameter is one (``ext``)."""
-        self.sharded.grad = grad if grad is None or self.ext is None else self.ext.wrap(grad)
+        if grad is not None:
+            if self.row is not None:
+                grad = row_param(grad, self.row)
+            elif self.ext is not None:
+                grad = self.ext.wrap(grad)
+        self.sharded.grad = grad
 
     def grad_rows(self) -> torch.Tensor | None:
         """``p.grad`` as this rank's rows (a plain tensor)."""
         g = self.sharded.grad
+        if g is None or self.row is not None:
+            return local_of(g)
         return g.to_local() if isinstance(g, DTensor) else g
 
     def storage_ptr(self) -> int:
         """Where the sharded Parameter's data lives (its piece of the shard)."""
-        t: torch.Tensor = self.sharded
+        t: torch.Tensor = local_of(self.sharded)
         if self.ext is not None:  # DTensor(subclass(rows)): the rows' own storage
             t = inner_data(_compat.dtensor_local(t))
         return t.untyped_storage().data_ptr()
@@ -129,9 +165,24 @@ class ParamEntry:
         return self.is_empty() and not self.whole
 
 
-def make_entries(params: list, locals_: list, layout: Layout, rank: int) -> list[ParamEntry]:
-    """This rank's ParamEntry of every parameter, from the group's layout."""
+def _cuts(layout: Layout, i: int) -> tuple:
+    """Parameter ``i``'s rows per rank as cumulative boundaries (``W + 1``)."""
+    cuts = [0] * (layout.world + 1)
+    for r, a, b in layout.ranks_of(i):
+        cuts[r] = a
+        cuts[r + 1] = b
+    for r in range(1, layout.world + 1):  # ranks holding none: an empty range
+        cuts[r] = max(cuts[r], cuts[r - 1])
+    return tuple(cuts)
+
+
+def make_entries(params: list, locals_: list, layout: Layout, rank: int,
+                 mesh=None) -> list[ParamEntry]:
+    """This rank's ParamEntry of every parameter, from the group's layout.
+    With ``mesh`` (1-D, more than one rank), sharded Parameters that are not
+    DTensors and have a dimension become RowParam DTensors on it."""
     base = layout.rank_range(rank)[0]
+    rows_as_dtensors = mesh is not None and mesh.ndim == 1 and layout.world > 1
     entries = []
     for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
         a, b = layout.rows_on(i, rank)
@@ -143,6 +194,10 @@ def make_entries(params: list, locals_: list, layout: Layout, rank: int) -> list
         # is at most its local TP shard)
         whole = ((layout.world == 1 or b - a == layout.slots[i].rows)
                  and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
+        row = None
+        if rows_as_dtensors and tp is None and len(local.shape) > 0:
+            row = row_spec(mesh, _cuts(layout, i), local.shape, local.dtype)
         entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
-                                  (start, start + (b - a) * k) if b > a else (0, 0), whole, tp=tp))
+                                  (start, start + (b - a) * k) if b > a else (0, 0), whole,
+                                  tp=tp, row=row))
     return entries

@@ -72,25 +72,38 @@ def units_below(module: nn.Module) -> list[tuple[str, "Unit"]]:
 class ShardedParams:
     """Every sharded Parameter we created -> (group, entry).
 
-    Weak both ways: a key is held only by its entry, so a value holding the
-    entry (or its group) strongly would keep the key, and with it the whole
-    model, alive for the life of the process. ``get`` gives None once the
-    model is gone.
+    Weak both ways, without a weak reference to the Parameter: keyed by
+    ``id(param)``, valued by weak references to the group and the entry, and
+    a hit only while the entry still holds that very Parameter (an id reused
+    by a new object is never a hit). A weak reference to the Parameter would
+    make ``torch.utils.swap_tensors`` refuse it, and ``nn.Module._apply``
+    swaps every DTensor parameter (ours are: _row_dtensor.py). ``get`` gives
+    None once the model is gone; dead keys are dropped as the registry grows.
     """
 
     def __init__(self):
-        self._refs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict = {}
+        self._pruned_at = 64
 
     def __setitem__(self, param: nn.Parameter, hit: tuple) -> None:
         g, e = hit
-        self._refs[param] = (weakref.ref(g), weakref.ref(e))
+        self._refs[id(param)] = (weakref.ref(g), weakref.ref(e))
+        if len(self._refs) > 2 * self._pruned_at:
+            self._prune()
+
+    def _prune(self) -> None:
+        for k in [k for k, (_g, e) in self._refs.items() if e() is None]:
+            del self._refs[k]
+        self._pruned_at = max(64, len(self._refs))
 
     def get(self, param):
-        refs = self._refs.get(param)
+        refs = self._refs.get(id(param))
         if refs is None:
             return None
         g, e = refs[0](), refs[1]()
-        return None if g is None or e is None else (g, e)
+        if g is None or e is None or e.sharded is not param:
+            return None
+        return (g, e)
 
     def __contains__(self, param) -> bool:
         return self.get(param) is not None
@@ -102,16 +115,20 @@ class ShardedParams:
         return hit
 
     def pop(self, param) -> None:
-        self._refs.pop(param, None)
+        self._refs.pop(id(param), None)
 
     def grad_owners(self, tensors) -> dict:
         """``{id(t): parameter}`` for each of ``tensors`` that is the ``.grad``
         of a sharded Parameter (one pass over the registry)."""
         want = {id(t) for t in tensors}
         out = {}
-        for p in list(self._refs.keys()):
+        for _g, er in list(self._refs.values()):
+            e = er()
+            if e is None:
+                continue
+            p = e.sharded
             grad = p.grad
-            if grad is not None and id(grad) in want and self.get(p) is not None:
+            if grad is not None and id(grad) in want:
                 out[id(grad)] = p
         return out
 

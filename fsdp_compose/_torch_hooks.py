@@ -55,7 +55,7 @@ import torch.nn as nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from . import _compat, _divergence
+from . import _compat, _divergence, _local_step
 from ._common import rank as _rank, unit_error
 from ._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
                            KINDS as _KINDS, optimizer_kind, steps_empty_pieces)
@@ -128,11 +128,13 @@ def check_no_replaced_params(optimizer) -> None:
 
 
 def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+    _local_step.restore(opt)  # (a step that raised: its post-hook never ran)
     sig = _signature(opt)
     seen = _checked.get(opt)
     if seen is None or seen[0] != sig:
         _check_optimizer(opt)
-        seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt))
+        seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt),
+                                optimizer_kind(type(opt)) is None and _is_container(opt))
         if seen[1]:  # its state dicts in FSDP2's form (and state loaded before this step)
             from ._checkpoint import attach_optimizer
             attach_optimizer(opt)
@@ -140,9 +142,12 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
         _divergence.count_optimizer_step()
     if seen[2]:
         _set_aside_empty_grads(opt, seen[2])
+    if seen[1] and not seen[3]:  # the step runs on local tensors (_local_step.py)
+        _local_step.swap_in(opt)
 
 
 def _step_post_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+    _local_step.restore(opt)
     _restore_empty_grads(opt)
 
 

@@ -207,7 +207,16 @@ def range_or_whole(p: torch.Tensor) -> tuple:
         return (0, p.numel())
 
 
+def rows(t):
+    """This rank's rows of a sharded parameter, its gradient or its optimizer
+    state (a RowParam DTensor: its local tensor); anything else unchanged."""
+    from fsdp_compose._row_dtensor import local_of
+
+    return local_of(t) if isinstance(t, torch.Tensor) else t
+
+
 def _value_problem(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float):
+    got = rows(got)
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.dtype != want.dtype:

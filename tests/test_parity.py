@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ._dist import DistributedError, run_distributed
 from ._pieces import expected_shape
-from ._support import Scenarios, compare_with_reference
+from ._support import Scenarios, compare_with_reference, rows
 
 WORLD_SIZES = (1, 2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -675,9 +675,15 @@ def _structure_checks(model, ref, units, impl, rank, ws) -> None:
         if not (0 <= s <= e <= r.numel()):
             problems.append(f"{name}: local_range {(s, e)} outside [0, {r.numel()}]")
         want = expected_shape(r.shape, (s, e), ws)
-        if impl.flat and tuple(p.shape) != want:
-            problems.append(f"{name}: sharded param has shape {tuple(p.shape)}, "
+        if impl.flat and tuple(rows(p).shape) != want:
+            problems.append(f"{name}: sharded param has local shape {tuple(rows(p).shape)}, "
                             f"local_range {(s, e)} at world size {ws} wants {want}")
+        # FSDP2's parameter contract: a DTensor of the global shape where it is split
+        if impl.flat and ws > 1 and r.dim() > 0:
+            from torch.distributed.tensor import DTensor
+            if not isinstance(p, DTensor) or tuple(p.shape) != tuple(r.shape):
+                problems.append(f"{name}: sharded param is {type(p).__name__} of shape "
+                                f"{tuple(p.shape)}, wants a DTensor of {tuple(r.shape)}")
         if p.dtype != r.dtype:
             problems.append(f"{name}: dtype {p.dtype} != {r.dtype}")
         if p.requires_grad != r.requires_grad:

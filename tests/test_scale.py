@@ -110,7 +110,7 @@ def _step(world: int, rank: int, cfg) -> dict:
                         continue
                     at = g.layout.offsets[g.entries.index(e)]
                     want = flat[at + a:at + b]
-                    got = e.sharded.grad.reshape(-1)
+                    got = e.grad_rows().reshape(-1)
                     assert torch.equal(got, want.to(got.dtype)), (e.fqn, rank)
                     checked += 1
             optim.step()

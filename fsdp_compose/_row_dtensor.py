@@ -1,0 +1,414 @@
+"""Sharded parameters as DTensors over our row pieces (docs/dtensor-params.md).
+
+A sharded parameter is ``nn.Parameter(RowParam)``: a DTensor of the
+parameter's global shape whose placement is ``RowShard(split)`` and whose
+local tensor is this rank's rows, the view of the unit's flat shard the
+parameter always was (zero-copy). ``RowShard`` is a ``Shard(0)`` that knows
+the real split (our layout's rows per rank, not ``torch.chunk``'s), so
+DTensor's own data movement (``full_tensor``, ``redistribute``,
+``distribute_tensor``'s scatter) and DCP's chunk offsets are right for it.
+``RowParam`` is a thin DTensor subclass whose ``__torch_function__`` keeps
+the split on results that keep dim 0, and refuses, naming the parameter
+and the op, any result that DTensor would describe with a fresh
+``Shard(0)`` of unevenly split rows (silently wrong otherwise).
+
+[Note: RowShard equality]
+``RowShard(s) == Shard(0)`` (DTensorSpec's shard-order checks and the
+in-place fast path compare placements) but ``hash(RowShard(s))`` is the
+split's: DTensor caches redistribute plans and sharding propagation by
+hashed specs, and with ``Shard``'s hash the first split seen would be
+returned for every later tensor of that shape, including a plain FSDP2
+``Shard(0)`` one (measured: docs/dtensor-params.md, E1). Two RowShards are
+equal only with the same split. This breaks Python's hash/eq contract
+between a RowShard and ``Shard(0)`` on purpose.
+
+Private torch API used here (signatures identical in 2.11, 2.13, 2.14): the
+``Shard`` methods DTensor moves data through (``_split_tensor``,
+``_to_replicate_tensor``, ``_replicate_to_shard``, ``_to_new_shard_dim``,
+``_reduce_shard_tensor``, ``_shard_tensor``, ``_local_shard_size_and_offset``),
+``DTensorSpec`` / ``TensorMeta``, and ``DTensor._local_tensor``.
+"""
+from __future__ import annotations
+
+import copy
+from bisect import bisect_right
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+__all__ = ["RowShard", "RowParam", "row_param", "local_of"]
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    extra = rows - t.size(0)
+    if extra == 0:
+        return t.contiguous()
+    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, extra]).contiguous()
+
+
+_SPLITS: dict = {}
+
+
+class RowShard(Shard):
+    """``Shard(0)`` with the real split: rank ``c`` of the mesh dim holds rows
+    ``[cuts[c], cuts[c + 1])``. See [Note: RowShard equality]."""
+
+    def __init__(self, cuts: Sequence[int]):
+        super().__init__(0)
+        cuts = tuple(int(c) for c in cuts)
+        # interned: one tuple per distinct split in the process
+        self.cuts = _SPLITS.setdefault(cuts, cuts)
+        self._hash = hash(("RowShard", self.cuts))
+
+    # ------------------------------------------------------------ identity
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowShard):
+            return other.cuts == self.cuts
+        return Shard.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (RowShard, (self.cuts,))
+
+    def __deepcopy__(self, memo):
+        return self  # immutable
+
+    def __repr__(self) -> str:
+        sizes = [b - a for a, b in zip(self.cuts, self.cuts[1:])]
+        shown = "/".join(map(str, sizes[:8])) + ("/..." if len(sizes) > 8 else "")
+        return f"RowShard(dim=0, rows={shown})"
+
+    def __str__(self) -> str:
+        return "RS(0)"
+
+    # ------------------------------------------------------------- queries
+    def rows_of(self, coord: int) -> tuple[int, int]:
+        return self.cuts[coord], self.cuts[coord + 1]
+
+    @property
+    def largest(self) -> int:
+        return max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+    def is_chunked(self) -> bool:
+        """The split is ``torch.chunk``'s (a plain ``Shard(0)`` would say the same)."""
+        n, w = self.cuts[-1], len(self.cuts) - 1
+        c = -(-n // w) if n else 0
+        return all(self.cuts[i] == min(i * c, n) for i in range(w + 1))
+
+    def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):  # type: ignore[override]
+        a, b = self.rows_of(int(rank))
+        return b - a, a
+
+    def _local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):
+        a, b = self.rows_of(int(rank))
+        return b - a, a
+
+    # ------------------------------------------------------- data movement
+    def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
+        most = self.largest
+        out, pads = [], []
+        for a, b in zip(self.cuts, self.cuts[1:]):
+            t = tensor.narrow(0, a, b - a)
+            if with_padding:
+                pads.append(most - (b - a))
+                t = _pad_rows(t, most)
+            out.append(t.contiguous() if contiguous else t)
+        return out, pads
+
+    def _select_split_tensor(self, tensor, num_chunks, index, *, with_padding=True,
+                             contiguous=True, clone=True):
+        a, b = self.rows_of(int(index))
+        t = tensor.narrow(0, a, b - a)
+        if contiguous:
+            t = t.contiguous()
+        return t.clone() if clone and t.data_ptr() == tensor.data_ptr() else t
+
+    def _shard_tensor(self, tensor, mesh, mesh_dim, src_data_rank=0):
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return tensor.new_empty(0, requires_grad=tensor.requires_grad)
+        if src_data_rank is None:
+            return self._select_split_tensor(tensor, 0, coord[mesh_dim])
+        # the source rank's rows, scattered: all-gather-free, as Shard does it
+        full = tensor.contiguous()
+        group = mesh.get_group(mesh_dim)
+        src = dist.get_global_rank(group, src_data_rank)
+        dist.broadcast(full, src=src, group=group)
+        return self._select_split_tensor(full, 0, coord[mesh_dim])
+
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        most = self.largest
+        padded = _pad_rows(local_tensor, most)
+        g = _wait(funcol.all_gather_tensor(padded, gather_dim=0, group=(mesh, mesh_dim)))
+        if all(b - a == most for a, b in zip(self.cuts, self.cuts[1:])):
+            return g
+        return torch.cat([g.narrow(0, i * most, b - a)
+                          for i, (a, b) in enumerate(zip(self.cuts, self.cuts[1:]))])
+
+    def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        a, b = self.rows_of(int(shard_index))
+        return local_tensor.narrow(0, a, b - a).clone()
+
+    def _to_new_shard_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape,
+                          new_shard_dim):
+        # through the full tensor: off the hot path (init, checkpoints, user calls)
+        full = self._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape)
+        coord = mesh.get_coordinate()[mesh_dim]
+        chunks = torch.chunk(full, mesh.size(mesh_dim), dim=new_shard_dim)
+        if coord < len(chunks):
+            return chunks[coord].contiguous()
+        shape = list(full.shape)
+        shape[new_shard_dim] = 0
+        return full.new_empty(shape)
+
+    def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
+        full = _wait(funcol.all_reduce(tensor, reduce_op, group=(mesh, mesh_dim)))
+        a, b = self.rows_of(mesh.get_coordinate()[mesh_dim])
+        return full.narrow(0, a, b - a).clone()
+
+
+# ---------------------------------------------------------------- RowParam
+
+# Calls that neither compute on the values nor make a DTensor we must check.
+_PASS = frozenset({
+    "__get__", "__set__", "detach", "detach_", "requires_grad_", "size", "dim", "numel",
+    "stride", "__repr__", "__format__", "is_contiguous", "data_ptr", "untyped_storage",
+    "element_size", "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__",
+    "__setstate__", "to_local", "full_tensor", "redistribute", "__len__", "__hash__",
+    "__eq__", "_is_view", "is_floating_point", "is_complex", "get_device", "nelement",
+    "ndimension", "type", "__bool__", "__dir__",
+})
+
+
+def _split_of(d: DTensor):
+    """The dim-0 split a 1-D-mesh DTensor claims (cuts), or None."""
+    spec = d._spec
+    if spec.mesh.ndim != 1 or d.dim() == 0:
+        return None
+    pl = spec.placements[0]
+    if isinstance(pl, RowShard):
+        return pl.cuts
+    if type(pl) is Shard and pl.dim == 0:
+        n, w = d.shape[0], spec.mesh.size(0)
+        c = -(-n // w) if n else 0
+        return tuple(min(i * c, n) for i in range(w + 1))
+    return None
+
+
+def _names(ts) -> str:
+    return ", ".join(sorted({getattr(t, "_fsdp_name", None) or "?" for t in ts
+                             if isinstance(t, RowParam)}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _refuse(op: str, params, why: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fsdp_compose [rank {_rank()}]: {op} on the sharded parameter(s) {_names(params)}: "
+        f"{why}. Call .full_tensor() first (or .to_local() for this rank's rows).")
+
+
+class RowParam(DTensor):
+    """The DTensor class of sharded parameters, their gradients and optimizer
+    state (see the module doc)."""
+
+    _fsdp_name: str | None = None
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch._C.DisableTorchFunctionSubclass():
+            new = RowParam(self._local_tensor.clone(), self._spec,
+                           requires_grad=self.requires_grad)
+        extra = {k: v for k, v in self.__dict__.items() if k != "_is_param"}
+        new.__dict__.update(copy.deepcopy(extra, memo))
+        memo[id(self)] = new
+        if isinstance(self, torch.nn.Parameter):  # (nn.Parameter's own deepcopy re-wraps)
+            return new
+        return new
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        with torch._C.DisableTorchFunctionSubclass():
+            if name in _PASS:
+                out = func(*args, **kwargs)
+                if name in ("detach", "redistribute") or name.endswith("_"):
+                    return _rewrap(out, args, name, check=False)
+                return out
+            if name == "copy_" and isinstance(args[0], RowParam):
+                return copy_into_rows(args[0], args[1])
+            if name in _VIEWS and args and isinstance(args[0], RowParam) and args[0].dim() > 0:
+                pl = args[0]._spec.placements[0]
+                if isinstance(pl, RowShard) and not pl.is_chunked():
+                    out = _meta_result(func, args, kwargs)
+                    if out is not None:
+                        if not _keeps_rows(args[0], out):
+                            raise _refuse(name, [args[0]],
+                                          "the result does not keep the rows as its dim 0")
+                        if isinstance(out, torch.Tensor):
+                            return _row_view(func, name, args, kwargs, out)
+            _precheck(name, args, kwargs)
+            return _rewrap(func(*args, **kwargs), args, name, check=True)
+
+
+# Views and reshapes: allowed where the result keeps the rows as its dim 0
+# (checked on a meta tensor of the global shape), refused otherwise.
+_VIEWS = frozenset({
+    "view", "reshape", "flatten", "view_as", "reshape_as", "t", "transpose", "permute",
+    "unflatten", "squeeze", "unsqueeze", "movedim", "swapaxes", "swapdims", "T", "mT", "H",
+    "mH", "unfold", "as_strided", "expand", "expand_as", "split", "chunk", "unbind",
+    "narrow", "select", "__getitem__", "index_select", "take", "diagonal", "tensor_split",
+    "split_with_sizes", "flip", "roll", "rot90",
+})
+
+
+# views whose arguments name dim 0's size: re-stated with this rank's rows
+_SIZED = frozenset({"view", "reshape", "expand", "view_as", "reshape_as", "expand_as",
+                    "unflatten"})
+
+
+def _meta_result(func, args, kwargs):
+    """The op on meta tensors of the global shapes (None: it raises there)."""
+    def meta(d):
+        return torch.empty(d.shape, device="meta", dtype=d.dtype)
+    margs, mkwargs = tree_map_only(DTensor, meta, (args, kwargs))
+    try:
+        return func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - DTensor's own call raises the real error
+        return None
+
+
+def _keeps_rows(p: DTensor, out) -> bool:
+    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+    stride0 = torch.empty(p.shape, device="meta").stride(0)
+    return bool(outs) and all(o.dim() > 0 and o.size(0) == p.size(0) and o.stride(0) == stride0
+                              for o in outs)
+
+
+def _row_view(func, op: str, args, kwargs, out_meta):
+    """A view that keeps the rows, done on this rank's rows (DTensor would
+    compute its local shape with torch.chunk's split)."""
+    p: RowParam = args[0]
+    if p.requires_grad and torch.is_grad_enabled():
+        raise _refuse(op, [p], "a view of it that autograd would track")
+    local = p._local_tensor
+    if op in _SIZED:
+        shape = out_meta.shape
+        res = local.reshape((local.size(0),) + tuple(shape[1:])) if op != "expand" \
+            and op != "expand_as" else local.expand((local.size(0),) + tuple(shape[1:]))
+    else:
+        rest = tree_map_only(DTensor, lambda d: d._local_tensor, (args[1:], kwargs))
+        res = func(local, *rest[0], **rest[1])
+    spec = DTensorSpec(p._spec.mesh, p._spec.placements,
+                       tensor_meta=TensorMeta(out_meta.shape, out_meta.stride(), res.dtype))
+    return RowParam(res, spec, requires_grad=False)
+
+
+def _precheck(op: str, args, kwargs) -> None:
+    ds = [t for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
+    splits = {s for s in map(_split_of, ds) if s is not None}
+    if len(splits) > 1:
+        raise _refuse(op, ds, "its operands split dim 0 differently")
+
+
+def _rewrap(out, args, op: str, check: bool):
+    ins = [t for t in tree_leaves(args) if isinstance(t, RowParam)]
+    if not ins:
+        return out
+    ref = ins[0]
+    ref_pl = ref._spec.placements[0]
+    uneven = not (isinstance(ref_pl, RowShard) and ref_pl.is_chunked())
+
+    def fix(o: DTensor):
+        if isinstance(o, RowParam) or o._spec.mesh.ndim != 1:
+            return o
+        pl = o._spec.placements[0]
+        if not isinstance(pl, Shard):
+            return o  # Replicate / Partial: does not depend on the split
+        if isinstance(pl, RowShard):
+            return RowParam(o._local_tensor, o._spec, requires_grad=o.requires_grad)
+        if pl.dim == 0 and o.dim() > 0 and o.shape[0] == ref.shape[0]:
+            spec = DTensorSpec(o._spec.mesh, ref._spec.placements,
+                               tensor_meta=o._spec.tensor_meta)
+            return RowParam(o._local_tensor, spec, requires_grad=o.requires_grad)
+        if check and uneven:
+            raise _refuse(op, ins, f"the result would be {pl} of rows split unevenly "
+                                   "(DTensor would describe it with torch.chunk's split)")
+        return o
+
+    return tree_map_only(DTensor, fix, out)
+
+
+def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
+    """``dst.copy_(src)``: each rank keeps its rows of ``src`` (a full tensor,
+    or a DTensor of any placement: torchtitan's and accelerate's inits)."""
+    pl = dst._spec.placements[0]
+    coord = dst._spec.mesh.get_coordinate()[0]
+    a, b = pl.rows_of(coord)
+    with torch._C.DisableTorchFunctionSubclass():
+        if isinstance(src, DTensor):
+            spl = src._spec.placements
+            if isinstance(spl[0], RowShard) and spl[0] == pl:
+                dst._local_tensor.copy_(src._local_tensor)
+                return dst
+            if not all(p.is_replicate() for p in spl):
+                src = src.redistribute(src.device_mesh, [Replicate()] * src.device_mesh.ndim)
+            src = src._local_tensor
+        if not isinstance(src, torch.Tensor):
+            src = torch.as_tensor(src)
+        if tuple(src.shape) != tuple(dst.shape):
+            if src.dim() == 0 or tuple(src.shape) == ():
+                dst._local_tensor.copy_(src)
+                return dst
+            if torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
+                raise RuntimeError(
+                    f"fsdp_compose [rank {_rank()}]: copy_ into the sharded parameter "
+                    f"{dst._fsdp_name or '?'}: source shape {tuple(src.shape)}, parameter "
+                    f"{tuple(dst.shape)}")
+            src = src.expand(dst.shape)
+        dst._local_tensor.copy_(src.narrow(0, a, b - a))
+    return dst
+
+
+# ------------------------------------------------------------ construction
+
+def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, (RowShard(cuts),),
+                       tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+
+def row_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> RowParam:
+    """``local`` (this rank's rows) as a RowParam of ``spec`` (dtype from ``local``)."""
+    if local.dtype != spec.tensor_meta.dtype:
+        meta = spec.tensor_meta
+        spec = DTensorSpec(spec.mesh, spec.placements,
+                           tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
+    with torch._C.DisableTorchFunctionSubclass():
+        return RowParam(local, spec, requires_grad=requires_grad)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a RowParam (the object it holds); others unchanged."""
+    return t._local_tensor if isinstance(t, RowParam) else t
+
+
+def coord_of(cuts: Sequence[int], row: int) -> int:
+    """The mesh coordinate whose rows hold global row ``row``."""
+    return bisect_right(cuts, row) - 1
