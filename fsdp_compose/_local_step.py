@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from ._row_dtensor import RowParam, row_param
+from ._row_dtensor import RowParam, local_of, row_param
 
 _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -35,8 +35,8 @@ class _Swap:
     __slots__ = ("groups", "dstate", "pairs")
 
     def __init__(self, opt: torch.optim.Optimizer):
-        self.groups = []  # (group, its params as the user holds them)
-        self.pairs = []   # (RowParam parameter, its local tensor)
+        self.groups: list = []  # (group, its params as the user holds them)
+        self.pairs: list = []   # (RowParam parameter, its local tensor)
         self.dstate = opt.state
 
 
@@ -53,7 +53,7 @@ def swap_in(opt: torch.optim.Optimizer) -> bool:
             if isinstance(p, RowParam):
                 lt = p._local_tensor
                 grad = p.grad
-                lt.grad = None if grad is None else grad._local_tensor
+                lt.grad = None if grad is None else local_of(grad)
                 swap.pairs.append((p, lt))
                 local.append(lt)
                 ds = dstate.get(p)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import _compat
 from ._layout import Layout
@@ -91,14 +92,14 @@ class ParamEntry:
     ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
     # the sharded Parameter is a RowParam DTensor of this spec (_row_dtensor.py);
     # None: a plain tensor (one rank, HSDP, TP, 0-d; docs/design.md)
-    row: object = None
+    row: DTensorSpec | None = None
 
     def new_sharded(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """The sharded Parameter over ``local`` (this rank's rows, a view of the shard)."""
         if self.row is None:
             return nn.Parameter(local, requires_grad=requires_grad)
         p = nn.Parameter(row_param(local, self.row), requires_grad=requires_grad)
-        p._fsdp_name = self.fqn
+        p._fsdp_name = self.fqn  # type: ignore[attr-defined]
         return p
 
     def as_sharded_data(self, local: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,9 @@ class ParamEntry:
     def grad_rows(self) -> torch.Tensor | None:
         """``p.grad`` as this rank's rows (a plain tensor)."""
         g = self.sharded.grad
-        if g is None or self.row is not None:
+        if g is None:
+            return None
+        if self.row is not None:
             return local_of(g)
         return g.to_local() if isinstance(g, DTensor) else g
 

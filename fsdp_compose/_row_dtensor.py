@@ -69,6 +69,7 @@ class RowShard(Shard):
         # interned: one tuple per distinct split in the process
         self.cuts = _SPLITS.setdefault(cuts, cuts)
         self._hash = hash(("RowShard", self.cuts))
+        self.has_empty = any(b == a for a, b in zip(self.cuts, self.cuts[1:]))
 
     # ------------------------------------------------------------ identity
     def __eq__(self, other: object) -> bool:
@@ -192,6 +193,37 @@ _PASS = frozenset({
 })
 
 
+# Reductions with no identity element: on an empty piece they raise on that
+# rank alone while the others enter DTensor's collective (a hang). Where a
+# piece is empty they run on the whole tensor instead (the same on every rank).
+_NO_IDENTITY = frozenset({
+    "amax", "amin", "max", "min", "argmax", "argmin", "aminmax", "median", "nanmedian",
+    "mode", "kthvalue", "topk", "quantile", "nanquantile", "vector_norm", "norm",
+    "linalg_vector_norm", "logsumexp", "cummax", "cummin", "msort", "sort", "argsort",
+})
+# Ops that reorder or pick rows: DTensor would apply them to each rank's rows
+# (flip(0) of a 5/2 split is silently wrong); they run on the whole tensor.
+_REORDER = frozenset({
+    "flip", "flipud", "fliplr", "roll", "rot90", "index_select", "take", "gather",
+    "take_along_dim", "masked_select", "nonzero", "unique", "unique_consecutive",
+})
+
+
+def _uneven_operand(args, kwargs) -> bool:
+    return any(isinstance(t, RowParam) and t.dim() > 0
+               and isinstance(t._spec.placements[0], RowShard)
+               and not t._spec.placements[0].is_chunked()
+               for t in tree_leaves((args, kwargs)))
+
+
+def _whole(args, kwargs):
+    def rep(d):
+        if isinstance(d, RowParam):
+            return DTensor.redistribute(d, d._spec.mesh, [Replicate()])
+        return d
+    return tree_map_only(RowParam, rep, (args, kwargs))
+
+
 def _split_of(d: DTensor):
     """The dim-0 split a 1-D-mesh DTensor claims (cuts), or None."""
     spec = d._spec
@@ -253,6 +285,13 @@ class RowParam(DTensor):
                 return out
             if name == "copy_" and isinstance(args[0], RowParam):
                 return copy_into_rows(args[0], args[1])
+            if (name in _REORDER and _uneven_operand(args, kwargs)) or (
+                    name in _NO_IDENTITY and any(
+                        isinstance(t, RowParam)
+                        and getattr(t._spec.placements[0], "has_empty", False)
+                        for t in tree_leaves((args, kwargs)))):
+                wargs, wkwargs = _whole(args, kwargs)
+                return func(*wargs, **wkwargs)
             if name in _VIEWS and args and isinstance(args[0], RowParam) and args[0].dim() > 0:
                 pl = args[0]._spec.placements[0]
                 if isinstance(pl, RowShard) and not pl.is_chunked():
@@ -273,8 +312,7 @@ _VIEWS = frozenset({
     "view", "reshape", "flatten", "view_as", "reshape_as", "t", "transpose", "permute",
     "unflatten", "squeeze", "unsqueeze", "movedim", "swapaxes", "swapdims", "T", "mT", "H",
     "mH", "unfold", "as_strided", "expand", "expand_as", "split", "chunk", "unbind",
-    "narrow", "select", "__getitem__", "index_select", "take", "diagonal", "tensor_split",
-    "split_with_sizes", "flip", "roll", "rot90",
+    "narrow", "select", "__getitem__", "diagonal", "tensor_split", "split_with_sizes",
 })
 
 
@@ -320,11 +358,33 @@ def _row_view(func, op: str, args, kwargs, out_meta):
     return RowParam(res, spec, requires_grad=False)
 
 
+_ROWS_FIRST = frozenset({"mm", "matmul", "__matmul__", "addmm", "bmm"})
+
+
 def _precheck(op: str, args, kwargs) -> None:
     ds = [t for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
     splits = {s for s in map(_split_of, ds) if s is not None}
     if len(splits) > 1:
         raise _refuse(op, ds, "its operands split dim 0 differently")
+    rows = [d for d in ds if isinstance(d, RowParam) and d.dim() > 0
+            and isinstance(d._spec.placements[0], RowShard)
+            and not d._spec.placements[0].is_chunked()]
+    if not rows:
+        return
+    # Another DTensor operand that reaches our dim 0: DTensor would cut it by
+    # torch.chunk's rows to match ours (silently wrong, or a size error on
+    # some ranks only). Allowed: operands that broadcast over trailing dims
+    # only, and the right operand of a matmul whose left operand is ours.
+    ndim = max(d.dim() for d in rows)
+    for d in ds:
+        if isinstance(d, RowParam) and _split_of(d) is not None or d.dim() == 0:
+            continue
+        if d.dim() < ndim:
+            continue
+        if op in _ROWS_FIRST and args and args[0] is rows[0] and d is not rows[0]:
+            continue
+        raise _refuse(op, rows, f"another DTensor operand ({tuple(d.placements)}, shape "
+                                f"{tuple(d.shape)}) would be split by torch.chunk's rows, not ours")
 
 
 def _rewrap(out, args, op: str, check: bool):
@@ -359,8 +419,9 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
     """``dst.copy_(src)``: each rank keeps its rows of ``src`` (a full tensor,
     or a DTensor of any placement: torchtitan's and accelerate's inits)."""
     pl = dst._spec.placements[0]
-    coord = dst._spec.mesh.get_coordinate()[0]
-    a, b = pl.rows_of(coord)
+    assert isinstance(pl, RowShard)
+    coord = dst._spec.mesh.get_coordinate()
+    a, b = pl.rows_of(coord[0] if coord is not None else 0)
     with torch._C.DisableTorchFunctionSubclass():
         if isinstance(src, DTensor):
             spl = src._spec.placements
@@ -376,7 +437,11 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
             if src.dim() == 0 or tuple(src.shape) == ():
                 dst._local_tensor.copy_(src)
                 return dst
-            if torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
+            try:
+                fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
                 raise RuntimeError(
                     f"fsdp_compose [rank {_rank()}]: copy_ into the sharded parameter "
                     f"{dst._fsdp_name or '?'}: source shape {tuple(src.shape)}, parameter "
@@ -396,8 +461,9 @@ def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype) -
 
 def row_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> RowParam:
     """``local`` (this rank's rows) as a RowParam of ``spec`` (dtype from ``local``)."""
-    if local.dtype != spec.tensor_meta.dtype:
-        meta = spec.tensor_meta
+    meta = spec.tensor_meta
+    assert meta is not None
+    if local.dtype != meta.dtype:
         spec = DTensorSpec(spec.mesh, spec.placements,
                            tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
     with torch._C.DisableTorchFunctionSubclass():

@@ -1,0 +1,312 @@
+"""Sharded parameters as DTensors (fsdp_compose/_row_dtensor.py, docs/dtensor-params.md).
+
+One worker per world size (2 and 4 gloo ranks) builds RowParams over uneven
+splits with empty pieces (first, middle and last rank) and records, per
+check, what it got; the tests compare each with the unsharded computation.
+Covered:
+
+- ``RowShard`` data movement: ``full_tensor``, ``redistribute`` to
+  ``Replicate``, ``Shard(1)`` and ``Shard(0)`` (torch.chunk's), ``Partial ->
+  RowShard``, ``Replicate -> RowShard``, ``distribute_tensor`` with a
+  RowParam's placements, DCP's chunk offsets;
+- its identity: ``== Shard(0)``, split-specific hash, pickling, and no
+  poisoning of DTensor's caches (a plain ``Shard(0)`` tensor of the same shape
+  gathered after ours, and before, is right);
+- the guard, op by op (a property test over DTensor-supported ops): the
+  result equals the unsharded computation, or the call raises on every rank
+  naming the parameter;
+- ``copy_`` from a full tensor, a replicated DTensor, torch.chunk's
+  ``Shard(0)`` and another split (torchtitan's init), ``nn.init``;
+- the optimizer step on local tensors, bitwise equal to the same optimizer on
+  plain tensors (AdamW foreach and for-loop, Adam, SGD with momentum,
+  Adagrad, RMSprop), state stored as RowParams;
+- torch's own ``clip_grad_norm_`` on RowParam gradients = the unsharded norm.
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ._dist import run_distributed
+
+SHAPE = (7, 3)
+SPLITS = {2: (0, 5, 7), 4: (0, 0, 3, 7, 7)}  # rank 0 and rank 3 hold none at 4
+
+
+def _full(seed: int = 0) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+# ops whose result does not depend on the split, run with one RowParam operand
+# (the property test): name -> f(x) where x is the full tensor or the RowParam
+_OPS = {
+    "add_scalar": lambda x: x + 1.5, "mul_scalar": lambda x: x * -2.0,
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "sqrt_abs": lambda x: x.abs().sqrt(),
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu, "sign": torch.sign,
+    "pow2": lambda x: x.pow(2), "clamp": lambda x: x.clamp(-0.5, 0.5),
+    "square_add": lambda x: x * x + x, "lerp": lambda x: torch.lerp(x, x * 2, 0.3),
+    "where": lambda x: torch.where(x > 0, x, x * 0.1), "clone": torch.clone,
+    "zeros_like": torch.zeros_like, "ones_like": torch.ones_like,
+    "full_like": lambda x: torch.full_like(x, 3.0),
+    "to_f64": lambda x: x.to(torch.float64), "to_bf16": lambda x: x.to(torch.bfloat16),
+    "sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin,
+    "sum_dim0": lambda x: x.sum(0), "sum_dim1": lambda x: x.sum(1), "max_dim1": lambda x: x.amax(1),
+    "norm": torch.linalg.vector_norm,
+    "norm_inf": lambda x: torch.linalg.vector_norm(x, float("inf")),
+    "norm_dim1": lambda x: torch.linalg.vector_norm(x, dim=1),
+    "softmax_dim1": lambda x: torch.softmax(x, 1),
+    "col_select": lambda x: x[:, 1], "col_slice": lambda x: x[:, 1:],
+    "unsqueeze_last": lambda x: x.unsqueeze(-1), "view_rows": lambda x: x.view(7, 3, 1),
+    "reshape_rows": lambda x: x.reshape(7, 1, 3),
+    "flatten_last": lambda x: x.unsqueeze(-1).flatten(1),
+    "cumsum0": lambda x: x.cumsum(0), "flip0": lambda x: x.flip(0), "sort0": lambda x: x.sort(0)[0],
+    "max_all": lambda x: x.max(), "argmax_dim0": lambda x: x.argmax(0),
+    "norm_inf_all": lambda x: torch.linalg.vector_norm(x, float("inf")),
+    # with a replicated operand (R: the full tensor, or a Replicate DTensor of it)
+    "add_row_vector": lambda x, R: x + R(torch.arange(3.0)),
+    "mm_right": lambda x, R: x @ R(torch.ones(3, 2)),
+    # depend on the split: must raise
+    "flatten_all": lambda x: x.reshape(-1), "t": lambda x: x.t(), "row_index": lambda x: x[1],
+    "row_slice": lambda x: x[2:6], "mm_left": lambda x, R: R(torch.ones(2, 7)) @ x,
+    "linear": lambda x, R: torch.nn.functional.linear(R(torch.ones(2, 3)), x),
+    "mul_full_shape": lambda x, R: x * R(_full(3)),
+}
+# results DTensor would silently get wrong (or raise on some ranks only) for an
+# uneven split: they must raise on every rank
+MUST_RAISE = {"flatten_all", "t", "row_index", "row_slice", "mm_left", "linear", "mul_full_shape"}
+
+
+def _call(f, x, R):
+    code = getattr(f, "__code__", None)  # (a lambda taking R; torch's builtins take x)
+    return f(x, R) if code is not None and code.co_argcount == 2 else f(x)
+
+
+def _as_full(out):
+    from torch.distributed.tensor import DTensor
+    if isinstance(out, DTensor):
+        return out.full_tensor()
+    return out
+
+
+def _worker(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import (DTensor, Partial, Replicate, Shard,
+                                          distribute_tensor)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from fsdp_compose._local_step import restore, swap_in
+    from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
+
+    mesh = init_device_mesh("cpu", (ws,))
+    cuts = SPLITS[ws]
+    a, b = cuts[rank], cuts[rank + 1]
+    full = _full()
+    out: dict = {"rows": (a, b)}
+
+    def param(t, name="w"):
+        p = nn.Parameter(row_param(t[a:b].clone(), row_spec(mesh, cuts, t.shape, t.dtype)))
+        p._fsdp_name = name
+        return p
+
+    p = param(full)
+    out["is"] = (type(p).__name__, isinstance(p, nn.Parameter), isinstance(p, DTensor),
+                 tuple(p.shape), p.placements == (Shard(0),), type(p.placements[0]).__name__)
+    # ---- data movement
+    out["full_tensor"] = torch.equal(p.full_tensor(), full)
+    out["replicate"] = torch.equal(p.redistribute(mesh, [Replicate()]).to_local(), full)
+    s1 = p.redistribute(mesh, [Shard(1)])
+    out["shard1"] = torch.equal(s1.full_tensor(), full)
+    chunked = distribute_tensor(full, mesh, [Shard(0)])
+    out["chunked_after"] = torch.equal(chunked.full_tensor(), full)  # cache not poisoned
+    part = DTensor.from_local(full * (rank + 1), mesh, [Partial()], run_check=False)
+    rs = part.redistribute(mesh, [RowShard(cuts)])
+    # (a sum over ranks: equal within rounding, not bitwise)
+    out["partial_to_rows"] = torch.allclose(rs.to_local(), (full * sum(range(1, ws + 1)))[a:b],
+                                            atol=1e-5) and rs.to_local().shape == (b - a, 3)
+    rep = distribute_tensor(full, mesh, [Replicate()]).redistribute(mesh, [RowShard(cuts)])
+    out["replicate_to_rows"] = torch.equal(rep.to_local(), full[a:b])
+    d = distribute_tensor(full, mesh, p.placements)
+    out["distribute_like_p"] = torch.equal(d.full_tensor(), full)
+    out["dcp_offsets"] = tuple(map(tuple, compute_local_shape_and_global_offset(
+        p.shape, mesh, p.placements)))
+    # ---- identity
+    rsh = RowShard(cuts)
+    other = RowShard((0,) + tuple(min(7, c + 1) for c in cuts[1:-1]) + (7,))
+    out["identity"] = (rsh == Shard(0), rsh == RowShard(cuts), rsh != other,
+                       hash(rsh) != hash(Shard(0)), pickle.loads(pickle.dumps(rsh)) == rsh,
+                       copy.deepcopy(rsh) is rsh)
+    # ---- the guard, op by op
+    ops = {}
+    for name, f in _OPS.items():
+        want = _call(f, full, lambda t: t)
+        try:
+            with torch.no_grad():
+                got = _as_full(_call(f, p, lambda t: distribute_tensor(t, mesh, [Replicate()])))
+            ops[name] = ("equal" if torch.allclose(got.to(want.dtype), want, atol=1e-6)
+                         and got.dtype == want.dtype else f"WRONG {got}")
+        except (NotImplementedError, RuntimeError) as e:
+            ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
+    out["ops"] = ops
+    try:
+        p.view(7, 3, 1)  # keeps the rows, but with autograd on: refused by name
+        out["grad_view"] = "no raise"
+    except NotImplementedError as e:
+        out["grad_view"] = str(e)
+    # ---- copy_
+    srcs = {"full": full * 2, "replicate": distribute_tensor(full * 3, mesh, [Replicate()]),
+            "chunked": distribute_tensor(full * 4, mesh, [Shard(0)]),
+            "other_split": DTensor.from_local(
+                (full * 5)[other.cuts[rank]:other.cuts[rank + 1]], mesh, [other],
+                run_check=False, shape=full.shape, stride=full.stride())}
+    copies = {}
+    for k, src in srcs.items():
+        q = param(torch.zeros(SHAPE))
+        with torch.no_grad():
+            q.copy_(src)
+        copies[k] = torch.equal(q.to_local(), _as_full(src)[a:b]) and torch.equal(
+            q.full_tensor(), _as_full(src))
+    try:
+        with torch.no_grad():
+            param(torch.zeros(SHAPE)).copy_(torch.zeros(8, 3))
+        copies["wrong_shape"] = "no raise"
+    except RuntimeError as e:
+        copies["wrong_shape"] = str(e)
+    q = param(torch.zeros(SHAPE))
+    nn.init.constant_(q, 0.25)
+    copies["init"] = torch.equal(q.full_tensor(), torch.full(SHAPE, 0.25))
+    out["copy"] = copies
+    # ---- optimizers: local step vs plain tensors, bitwise
+    opts = {}
+    for name, make in {
+            "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+            "adamw_loop": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False),
+            "adam": lambda ps: torch.optim.Adam(ps, lr=0.1),
+            "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01)}.items():
+        dp, lp = param(full), nn.Parameter(full[a:b].clone())
+        do, lo = make([dp]), make([lp])
+        for step in range(3):
+            g = _full(10 + step)[a:b]
+            dp.grad = row_param(g.clone(), dp._spec)
+            lp.grad = g.clone()
+            assert swap_in(do)  # what the global step hooks do for sharded parameters
+            try:
+                do.step()
+            finally:
+                restore(do)
+            lo.step()
+        state = do.state[dp]
+        opts[name] = (torch.equal(dp.to_local(), lp.detach()),
+                      all(torch.equal(v.to_local() if isinstance(v, DTensor) else v,
+                                      lo.state[lp][k]) for k, v in state.items()),
+                      sorted(type(v).__name__ for v in state.values()),
+                      type(do.param_groups[0]["params"][0]).__name__)
+    out["optim"] = opts
+    # ---- torch's own clip on RowParam gradients
+    cp = param(full)
+    cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)  # torch's own, not our routing
+    norm = torch_clip([cp], 1.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    ref = nn.Parameter(full.clone())
+    ref.grad = _full(20)
+    ref_norm = torch.nn.utils.clip_grad_norm_([ref], 1.0)
+    out["clip"] = (float(norm), float(ref_norm),
+                   torch.allclose(cp.grad.full_tensor(), ref.grad, atol=1e-7))
+    # ---- DCP: save our rows, load into another split and into torch.chunk's
+    path = f"{_tmp_root()}/dcp_{ws}"
+    dcp.save({"w": p}, checkpoint_id=path)
+    into_other = {"w": DTensor.from_local(torch.zeros(other.cuts[rank + 1] - other.cuts[rank], 3),
+                                          mesh, [other], run_check=False, shape=full.shape,
+                                          stride=full.stride())}
+    dcp.load(into_other, checkpoint_id=path)
+    into_chunks = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)])}
+    dcp.load(into_chunks, checkpoint_id=path)
+    out["dcp"] = (torch.equal(into_other["w"].full_tensor(), full),
+                  torch.equal(into_chunks["w"].full_tensor(), full))
+    dist.barrier()
+    return out
+
+
+def _tmp_root() -> str:
+    import os
+    import tempfile
+    root = os.environ.get("FSDP_ROW_DTENSOR_TMP") or tempfile.gettempdir()
+    return root
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def got(request, tmp_path_factory):
+    import os
+    os.environ["FSDP_ROW_DTENSOR_TMP"] = str(tmp_path_factory.mktemp("rowdt"))
+    return request.param, run_distributed(_worker, request.param, timeout=240)
+
+
+def test_parameters_are_dtensors_of_the_global_shape(got):
+    ws, per_rank = got
+    for r in per_rank:
+        assert r["is"] == ("RowParam", True, True, SHAPE, True, "RowShard")
+
+
+def test_data_movement_is_right_for_the_uneven_split(got):
+    ws, per_rank = got
+    for rank, r in enumerate(per_rank):
+        for k in ("full_tensor", "replicate", "shard1", "chunked_after", "partial_to_rows",
+                  "replicate_to_rows", "distribute_like_p"):
+            assert r[k], (rank, k)
+        a, b = r["rows"]
+        # (an empty piece's offset is the end of the dim, as torch gives FSDP2's)
+        assert r["dcp_offsets"] == ((b - a, 3), (a if b > a else SHAPE[0], 0)), rank
+
+
+def test_rowshard_identity(got):
+    for r in got[1]:
+        assert r["identity"] == (True, True, True, True, True, True)
+
+
+def test_each_op_equals_the_unsharded_result_or_raises_on_every_rank(got):
+    ws, per_rank = got
+    for name in _OPS:
+        seen = [r["ops"][name] for r in per_rank]
+        if name in MUST_RAISE:
+            for rank, s in enumerate(seen):
+                assert s[0] == "raised" and s[1], (name, rank, s)
+        else:
+            assert all(s == "equal" for s in seen), (name, seen)
+    for r in per_rank:
+        assert "autograd" in r["grad_view"] and "parameter(s) w" in r["grad_view"], r["grad_view"]
+
+
+def test_copy_keeps_each_ranks_rows_of_any_source(got):
+    for r in got[1]:
+        c = r["copy"]
+        assert c["full"] and c["replicate"] and c["chunked"] and c["other_split"] and c["init"], c
+        assert "copy_ into the sharded parameter w" in c["wrong_shape"], c["wrong_shape"]
+
+
+def test_optimizer_steps_local_tensors_bitwise_and_keeps_dtensor_state(got):
+    for r in got[1]:
+        for name, (param_eq, state_eq, kinds, held) in r["optim"].items():
+            assert param_eq and state_eq, name
+            assert held == "RowParam", name  # the user's parameter is back after the step
+            assert all(k in ("RowParam", "Tensor") for k in kinds) and "RowParam" in kinds, (
+                name, kinds)
+
+
+def test_torch_clip_grad_norm_is_global_on_rowparam_grads(got):
+    for r in got[1]:
+        norm, ref_norm, scaled = r["clip"]
+        assert norm == pytest.approx(ref_norm, rel=1e-6) and scaled
+
+
+def test_dcp_reshards_our_rows_into_another_split_and_into_chunks(got):
+    for r in got[1]:
+        assert r["dcp"] == (True, True)
