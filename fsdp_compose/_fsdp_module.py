@@ -408,7 +408,8 @@ def _before_apply(units: list[Unit]) -> None:
 def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
     if p is not e.sharded or p.dtype != g.dtype or p.device != g.shard.device:
         return True
-    return (not p.is_meta and p.untyped_storage().data_ptr()
+    local = e.rows_of(p)  # (a RowParam's storage is its local tensor's)
+    return (not p.is_meta and local.untyped_storage().data_ptr()
             != g.shard.untyped_storage().data_ptr())
 
 

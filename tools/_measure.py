@@ -85,9 +85,10 @@ class Tracker:
 
 
 def _storage_bytes(tensors) -> int:
+    from fsdp_compose._row_dtensor import local_of
     seen = {}
     for t in tensors:
-        s = t.untyped_storage()
+        s = local_of(t).untyped_storage()  # (a DTensor's storage is its local tensor's)
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
