@@ -186,8 +186,8 @@ class RowShard(Shard):
 _PASS = frozenset({
     "__get__", "__set__", "detach", "detach_", "requires_grad_", "size", "dim", "numel",
     "stride", "__repr__", "__format__", "is_contiguous", "data_ptr", "untyped_storage",
-    "element_size", "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__",
-    "__setstate__", "to_local", "full_tensor", "redistribute", "__len__", "__hash__",
+    "element_size", "register_hook", "register_post_accumulate_grad_hook", "__setstate__",
+    "to_local", "full_tensor", "redistribute", "__len__", "__hash__",
     "__eq__", "_is_view", "is_floating_point", "is_complex", "get_device", "nelement",
     "ndimension", "type", "__bool__", "__dir__",
 })
@@ -248,6 +248,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _rebuild(local, spec, requires_grad: bool, is_param: bool, extra: dict):
+    t: torch.Tensor = row_param(local, spec, requires_grad)
+    if is_param:
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    t.__dict__.update(extra)
+    return t
+
+
 def _refuse(op: str, params, why: str) -> NotImplementedError:
     return NotImplementedError(
         f"fsdp_compose [rank {_rank()}]: {op} on the sharded parameter(s) {_names(params)}: "
@@ -259,6 +267,17 @@ class RowParam(DTensor):
     state (see the module doc)."""
 
     _fsdp_name: str | None = None
+
+    def __reduce_ex__(self, proto):
+        # torch's pickling of a wrapper subclass reads the wrapper's storage
+        # unless its data_ptr() is 0, which it is not for a local tensor with a
+        # storage offset (our pieces are views into the flat shard): pickle
+        # the local tensor and the spec instead.
+        with torch._C.DisableTorchFunctionSubclass():
+            extra = {k: v for k, v in self.__dict__.items()
+                     if k not in ("_local_tensor", "_spec", "_is_param")}
+            return (_rebuild, (self._local_tensor, self._spec, self.requires_grad,
+                               bool(self.__dict__.get("_is_param")), extra))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -402,17 +421,24 @@ def _rewrap(out, args, op: str, check: bool):
         if not isinstance(pl, Shard):
             return o  # Replicate / Partial: does not depend on the split
         if isinstance(pl, RowShard):
-            return RowParam(o._local_tensor, o._spec, requires_grad=o.requires_grad)
+            return _named(RowParam(o._local_tensor, o._spec, requires_grad=o.requires_grad), ref)
         if pl.dim == 0 and o.dim() > 0 and o.shape[0] == ref.shape[0]:
             spec = DTensorSpec(o._spec.mesh, ref._spec.placements,
                                tensor_meta=o._spec.tensor_meta)
-            return RowParam(o._local_tensor, spec, requires_grad=o.requires_grad)
+            return _named(RowParam(o._local_tensor, spec, requires_grad=o.requires_grad), ref)
         if check and uneven:
             raise _refuse(op, ins, f"the result would be {pl} of rows split unevenly "
                                    "(DTensor would describe it with torch.chunk's split)")
         return o
 
     return tree_map_only(DTensor, fix, out)
+
+
+def _named(t: RowParam, like: RowParam) -> RowParam:
+    name = like.__dict__.get("_fsdp_name")
+    if name is not None:
+        t._fsdp_name = name
+    return t
 
 
 def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
