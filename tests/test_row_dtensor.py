@@ -146,7 +146,8 @@ def _worker(rank: int, ws: int) -> dict:
     back = torch.load(buf, weights_only=False)
     out["pickle"] = (type(back["w"]).__name__, isinstance(back["w"], nn.Parameter),
                      back["w"]._fsdp_name, torch.equal(back["w"].to_local(), full[a:b]),
-                     back["d"].placements == p.placements, torch.equal(back["d"].full_tensor(), full))
+                     back["d"].placements == p.placements,
+                     torch.equal(back["d"].full_tensor(), full))
     # ---- identity
     rsh = RowShard(cuts)
     other = RowShard((0,) + tuple(min(7, c + 1) for c in cuts[1:-1]) + (7,))
