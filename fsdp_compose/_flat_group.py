@@ -324,7 +324,8 @@ class FlatGroup:
         detached from the flat (no gradient, never folded into); a group with
         no trainable entry left stops requiring grad (no reduce-scatter), and
         starts again when one trains. Returns True when something changed."""
-        trains = tuple(e.sharded.requires_grad for e in self.entries)
+        with torch._C.DisableTorchFunctionSubclass():  # (per forward: no RowParam dispatch)
+            trains = tuple(e.sharded.requires_grad for e in self.entries)
         if trains == self._trains:
             return False
         self._trains = trains

@@ -468,7 +468,9 @@ class GradientPath:
         ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
             entries = self.group.entries
-            if all(e.sharded.grad is None for e in entries):  # the common case: adopt it
+            with torch._C.DisableTorchFunctionSubclass():  # (no RowParam dispatch)
+                none = all(e.sharded.grad is None for e in entries)
+            if none:  # the common case: adopt it
                 take = [t and (any_rank is None or any_rank[k])
                         for k, t in enumerate(self.group._trains)]
                 self._adopt_grad_shard(out, take)

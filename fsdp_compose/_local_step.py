@@ -43,6 +43,11 @@ class _Swap:
 def swap_in(opt: torch.optim.Optimizer) -> bool:
     """Swap ``opt``'s RowParams for their local tensors; False if it holds none."""
     restore(opt)
+    with torch._C.DisableTorchFunctionSubclass():  # (our reads: no RowParam dispatch)
+        return _swap_in(opt)
+
+
+def _swap_in(opt: torch.optim.Optimizer) -> bool:
     swap = _Swap(opt)
     dstate = swap.dstate
     lstate: defaultdict = defaultdict(dict)
@@ -82,6 +87,11 @@ def restore(opt: torch.optim.Optimizer) -> None:
     swap = _active.pop(opt, None)
     if swap is None:
         return
+    with torch._C.DisableTorchFunctionSubclass():
+        _restore(opt, swap)
+
+
+def _restore(opt: torch.optim.Optimizer, swap: _Swap) -> None:
     lstate, dstate = opt.state, swap.dstate
     for g, params in swap.groups:
         g["params"] = params

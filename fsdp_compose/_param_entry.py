@@ -18,7 +18,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import _compat
 from ._layout import Layout
-from ._row_dtensor import local_of, row_param, row_spec
+from ._row_dtensor import RowParam, local_of, row_param, row_spec
+
+# RowParam's __torch_function__ skipped for our own per-step reads and writes
+_NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
 
 # A DTensor Parameter's own attributes: never copied between Parameter objects
 # (the user's attributes are: see user_attrs).
@@ -134,21 +137,25 @@ class ParamEntry:
 
     def set_grad(self, grad: torch.Tensor | None) -> None:
         """``p.grad`` of the sharded Parameter: ``grad`` (this rank's rows), as
-        a DTensor where the Parameter is one (``ext``)."""
-        if grad is not None:
-            if self.row is not None:
-                grad = row_param(grad, self.row)
-            elif self.ext is not None:
-                grad = self.ext.wrap(grad)
-        self.sharded.grad = grad
+        a DTensor where the Parameter is one (``row``, ``ext``). Per step, per
+        parameter: no RowParam ``__torch_function__`` on the way."""
+        with _NO_SUBCLASS_FN():
+            if grad is not None:
+                if self.row is not None:
+                    grad = (RowParam(grad, self.row, requires_grad=False)
+                            if grad.dtype == self.sharded.dtype else row_param(grad, self.row))
+                elif self.ext is not None:
+                    grad = self.ext.wrap(grad)
+            self.sharded.grad = grad
 
     def grad_rows(self) -> torch.Tensor | None:
         """``p.grad`` as this rank's rows (a plain tensor)."""
-        g = self.sharded.grad
-        if g is None:
-            return None
-        if self.row is not None:
-            return local_of(g)
+        with _NO_SUBCLASS_FN():
+            g = self.sharded.grad
+            if g is None:
+                return None
+            if self.row is not None:
+                return local_of(g)
         return g.to_local() if isinstance(g, DTensor) else g
 
     def storage_ptr(self) -> int:
