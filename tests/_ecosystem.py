@@ -94,9 +94,15 @@ def run(rank: int, world: int, root: str, impl: str, load_from: str | None) -> d
     out["full_loaded"] = full(m2)
     out["resumed"] = train(m2, o2, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
     out["full_resumed"] = full(m2)
-    out["state_types"] = sorted({type(v).__name__ for v in m2.state_dict().values()})
-    out["optim_types"] = sorted({type(v).__name__ for st in o2.state_dict()["state"].values()
+    # the classes FSDP2's code checks for (ours: RowParam, a DTensor subclass)
+    from torch.distributed.tensor import DTensor
+
+    def kind(v):
+        return "DTensor" if isinstance(v, DTensor) else type(v).__name__
+    out["state_types"] = sorted({kind(v) for v in m2.state_dict().values()})
+    out["optim_types"] = sorted({kind(v) for st in o2.state_dict()["state"].values()
                                  for v in st.values()})
+    out["state_classes"] = sorted({type(v).__name__ for v in m2.state_dict().values()})
     return out
 
 

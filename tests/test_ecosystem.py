@@ -54,6 +54,8 @@ def test_state_dicts_hold_fsdp2s_objects(runs):
     for r in runs["ours"]:
         assert r["state_types"] == ["DTensor"]
         assert r["optim_types"] == ["DTensor", "Tensor"]  # exp_avg(_sq); step
+        # the parameters themselves (DTensors over our rows), not converted copies
+        assert r["state_classes"] == ["RowParam"]
 
 
 def test_save_state_load_state_resume_bit_exact(runs):
