@@ -336,13 +336,17 @@ def _param_facts(model) -> dict:
     FSDPModule (and whose), how many parameters are DTensors, their placements,
     whether their shapes are the unsharded ones."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     ps = list(model.named_parameters())
+    dts = [p for _, p in ps if isinstance(p, DTensor)]
     return {"fsdp_module": isinstance(model, FSDPModule),
             "class_from": type(model).__mro__[1].__module__,
-            "count": len(ps), "dtensor": sum(isinstance(p, DTensor) for _, p in ps),
-            "placements": sorted({str(tuple(p.placements)) for _, p in ps
-                                  if isinstance(p, DTensor)}),
+            "count": len(ps), "dtensor": len(dts),
+            # as printed (a placement of ours may carry its split), and what it means
+            "placements": sorted({str(tuple(p.placements)) for p in dts}),
+            "shard_dims": sorted({tuple(pl.dim if isinstance(pl, Shard) else type(pl).__name__
+                                        for pl in p.placements) for p in dts}, key=str),
+            "meshes": sorted({(p.device_mesh.ndim, p.device_mesh.size()) for p in dts}),
             "shapes": {n: tuple(p.shape) for n, p in ps}}
 
 
@@ -623,6 +627,8 @@ def _failed(ranks: list, at: str | None = None) -> str | None:
         return None
     first = next((r for r in errs if not induced(r["error"])), errs[0])
     msg = first["error"].replace("|", "/").replace("`", "'").replace("\n", " ")
+    if len(msg) > 160 and ". " in msg[:160]:
+        msg = msg[:msg.index(". ") + 1]  # its first sentence
     if len(msg) > 160:
         msg = msg[:157] + "..."
     return f"fails at {at or first.get('stage', '?')}: `{msg}`"

@@ -12,7 +12,7 @@ shims they apply (to both implementations), each with why FSDP2 needs it here:
   spmd_types backend); ``torch.distributed.set_timeout`` (missing on torch
   2.13: a no-op); the module importing ``triton`` (its MoE kernels, a stub
   module; torch's CPU build has no triton); FSDP2's
-  ``set_force_sum_reduction_for_comms(True)`` after its
+  ``set_force_sum_reduction_for_comms(True)`` after torchtitan's
   ``set_gradient_divide_factor(1.0)`` (gloo has no PREMUL_SUM); a generated
   tokenizer and generated documents (no download); 2 of the debug model's 6
   layers and short sequences (CPU time).
@@ -69,6 +69,18 @@ def _reached(ranks: list, stage: str, order: list) -> None:
                 f"{r.get('traceback', '')}")
 
 
+def _dtensors_as_fsdp2s(ours: dict, f2: dict) -> None:
+    """Every parameter a DTensor, sharded on dim 0 of the same mesh as FSDP2's
+    (a Shard(0) placement or a subclass of Shard that carries our split), with
+    the unsharded shape."""
+    assert ours["dtensor"] == ours["count"] == f2["count"] > 0, (
+        f"{ours['dtensor']} of {ours['count']} parameters are DTensors (FSDP2: "
+        f"{f2['dtensor']} of {f2['count']})")
+    assert ours["shard_dims"] == f2["shard_dims"] == [(0,)], ours["placements"]
+    assert ours["meshes"] == f2["meshes"]
+    assert ours["shapes"] == f2["shapes"]
+
+
 TITAN_ORDER = ["launch", "seed", "import", "build", "train", "resume", "done"]
 
 
@@ -111,9 +123,7 @@ def test_titan_builds_and_inits_after_sharding(runs):
 def test_titan_parameters_are_dtensors(runs):
     ours, f2 = _titan(runs, "ours", "build"), _titan(runs, "fsdp2", "build")
     for a, b in zip(ours, f2):
-        assert a["params"]["dtensor"] == a["params"]["count"] == b["params"]["count"]
-        assert a["params"]["placements"] == b["params"]["placements"]
-        assert a["params"]["shapes"] == b["params"]["shapes"]  # the unsharded shapes
+        _dtensors_as_fsdp2s(a["params"], b["params"])
 
 
 @titan
@@ -182,9 +192,7 @@ def test_lit_trains_as_fsdp2(runs):
 @lightning
 def test_lit_parameters_are_dtensors(runs):
     for a, b in zip(_lit(runs, "ours", "sharded", "fit"), _lit(runs, "fsdp2", "sharded", "fit")):
-        assert a["params"]["dtensor"] == a["params"]["count"] == b["params"]["count"]
-        assert a["params"]["placements"] == b["params"]["placements"]
-        assert a["params"]["shapes"] == b["params"]["shapes"]  # the unsharded shapes
+        _dtensors_as_fsdp2s(a["params"], b["params"])
 
 
 @lightning
