@@ -288,7 +288,7 @@ class FlatGroup:
             with torch.no_grad():
                 if not meta and not p.is_meta and e.shard_range[1] > e.shard_range[0]:
                     shard[slice(*e.shard_range)].copy_(e.rows_of(p).detach().reshape(-1))
-                p.data = e.as_sharded_data(e.piece(shard))
+                e.set_data(p, e.piece(shard))
             e.sharded = p
         if self.aliased:
             self.flat = shard.data  # alias, own version counter; never freed

@@ -18,6 +18,13 @@ step's ``exp_avg``...) as RowParams of the parameter's split, once: what
 
 A step that raises leaves the swap in place (torch runs no post-hook then);
 the next pre-hook, or ``restore``, undoes it first.
+
+A ``closure`` (Lightning's automatic optimization passes one to every
+``step``) runs forward and backward *inside* ``step()``, after the pre-hook:
+swapped, its backward would write ``p.grad`` of the user's parameters while
+the optimizer reads the local tensors' (None: no update, silently), and its
+``zero_grad()`` would clear the wrong ones. So the pre-hook wraps it: the
+swap is undone for the closure and made again after it (``wrap_closure``).
 """
 from __future__ import annotations
 
@@ -80,6 +87,28 @@ def _swap_in(opt: torch.optim.Optimizer) -> bool:
     opt.state = lstate
     _active[opt] = swap
     return True
+
+
+def wrap_closure(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
+    """``(args, kwargs)`` of ``opt.step`` (``args[0]`` is the optimizer, as
+    torch's step hooks get them) with its closure, if any, run unswapped."""
+    if len(args) > 1 and callable(args[1]):
+        closure, where = args[1], "args"
+    elif callable(kwargs.get("closure")):
+        closure, where = kwargs["closure"], "kwargs"
+    else:
+        return None
+
+    def unswapped():
+        restore(opt)
+        try:
+            return closure()
+        finally:
+            swap_in(opt)
+
+    if where == "args":
+        return (args[0], unswapped) + tuple(args[2:]), kwargs
+    return args, {**kwargs, "closure": unswapped}
 
 
 def restore(opt: torch.optim.Optimizer) -> None:

@@ -105,9 +105,19 @@ class ParamEntry:
         p._fsdp_name = self.fqn  # type: ignore[attr-defined]
         return p
 
-    def as_sharded_data(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` in the form ``p.data`` of the sharded Parameter takes."""
-        return local if self.row is None else row_param(local, self.row)
+    def set_data(self, p: torch.Tensor, local: torch.Tensor) -> None:
+        """Parameter ``p`` (kept as the object) becomes a view of ``local``.
+        For a RowParam, ``p.data = ...`` changes the wrapper's dtype and
+        device but not the local tensor and spec DTensor keeps in Python
+        attributes: those are set too."""
+        if self.row is None or not isinstance(p, RowParam):
+            p.data = local
+            return
+        new = row_param(local, self.row)
+        p.data = new
+        with _NO_SUBCLASS_FN():
+            p._local_tensor = new._local_tensor
+            p._spec = new._spec
 
     def rows_of(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the sharded Parameter (or of a tensor shaped like it)."""

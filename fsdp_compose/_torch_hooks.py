@@ -127,7 +127,7 @@ def check_no_replaced_params(optimizer) -> None:
             "materialize), from model.parameters().")
 
 
-def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
+def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs):
     _local_step.restore(opt)  # (a step that raised: its post-hook never ran)
     sig = _signature(opt)
     seen = _checked.get(opt)
@@ -142,8 +142,9 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:
         _divergence.count_optimizer_step()
     if seen[2]:
         _set_aside_empty_grads(opt, seen[2])
-    if seen[1] and not seen[3]:  # the step runs on local tensors (_local_step.py)
-        _local_step.swap_in(opt)
+    if seen[1] and not seen[3] and _local_step.swap_in(opt):  # local tensors (_local_step.py)
+        return _local_step.wrap_closure(opt, _args, _kwargs)
+    return None
 
 
 def _step_post_hook(opt: torch.optim.Optimizer, _args, _kwargs) -> None:

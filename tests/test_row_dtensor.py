@@ -328,3 +328,51 @@ def test_torch_clip_grad_norm_is_global_on_rowparam_grads(got):
 def test_dcp_reshards_our_rows_into_another_split_and_into_chunks(got):
     for r in got[1]:
         assert r["dcp"] == (True, True)
+
+
+def _closure_worker(rank: int, ws: int) -> dict:
+    """``opt.step(closure)`` (Lightning's automatic optimization) on a sharded
+    model against the same model unsharded (every rank the same batch, so
+    the averaged gradient is the reference's), with ``zero_grad`` inside
+    the closure, as Lightning does it."""
+    import copy as _copy
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model = _copy.deepcopy(ref)
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+
+        def closure(m=model, o=opt):
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = ref(x).pow(2).mean()
+            loss.backward()
+            return loss
+        losses.append((float(opt.step(closure)), float(ref_opt.step(ref_closure))))
+    return {"losses": losses,
+            "params": all(torch.allclose(p.full_tensor(), q, atol=1e-6)
+                          for p, q in zip(model.parameters(), ref.parameters())),
+            "moved": not all(torch.equal(p.full_tensor(), q) for p, q in
+                             zip(model.parameters(), nn.Sequential(
+                                 nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).parameters())),
+            "state": sorted({k for st in opt.state.values() for k in st})}
+
+
+def test_step_with_a_closure_trains_as_the_unsharded_model():
+    for r in run_distributed(_closure_worker, 2, timeout=120):
+        for ours, ref in r["losses"]:
+            assert ours == pytest.approx(ref, rel=1e-5)
+        assert r["params"] and r["state"] == ["exp_avg", "exp_avg_sq", "step"], r
