@@ -154,6 +154,7 @@ class ParamEntry:
                 if self.row is not None:
                     grad = (RowParam(grad, self.row, requires_grad=False)
                             if grad.dtype == self.sharded.dtype else row_param(grad, self.row))
+                    grad._fsdp_name = self.fqn  # (for messages)
                 elif self.ext is not None:
                     grad = self.ext.wrap(grad)
             self.sharded.grad = grad

@@ -166,6 +166,22 @@ def _worker(rank: int, ws: int) -> dict:
         except (NotImplementedError, RuntimeError) as e:
             ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
     out["ops"] = ops
+    # foreach ops over parameters split differently (torch's clip_grads_with_norm_,
+    # optimizers): element-wise per position, so allowed, and right
+    q = param(_full(5), "q")
+    q_other = nn.Parameter(DTensor.from_local(
+        _full(5)[other.cuts[rank]:other.cuts[rank + 1]].clone(), mesh, [other],
+        run_check=False, shape=full.shape, stride=full.stride()))
+    with torch.no_grad():
+        torch._foreach_mul_([p, q_other], 2.0)
+        summed = torch._foreach_add([p, q], [p, q])
+        norms = torch._foreach_norm([p, q_other])
+    out["foreach_mixed"] = (torch.equal(p.full_tensor(), full * 2),
+                            torch.equal(q_other.full_tensor(), _full(5) * 2),
+                            torch.equal(summed[1].full_tensor(), _full(5) * 2),
+                            [float(n.full_tensor()) for n in norms])
+    with torch.no_grad():
+        p.copy_(full)
     try:
         p.view(7, 3, 1)  # keeps the rows, but with autograd on: refused by name
         out["grad_view"] = "no raise"
@@ -301,6 +317,13 @@ def test_each_op_equals_the_unsharded_result_or_raises_on_every_rank(got):
             assert all(s == "equal" for s in seen), (name, seen)
     for r in per_rank:
         assert "autograd" in r["grad_view"] and "parameter(s) w" in r["grad_view"], r["grad_view"]
+
+
+def test_foreach_over_parameters_split_differently(got):
+    for r in got[1]:
+        a, b, c, norms = r["foreach_mixed"]
+        assert a and b and c
+        assert norms == pytest.approx([float(_full().norm() * 2), float(_full(5).norm() * 2)])
 
 
 def test_copy_keeps_each_ranks_rows_of_any_source(got):
