@@ -40,6 +40,26 @@ class LaunchError(RuntimeError):
     """A rank failed or the launch timed out; the message has a rank's output tail."""
 
 
+def import_fsdp_compose_from(root: str) -> str:
+    """In a rank: import ``fsdp_compose`` from ``root`` (a checkout's top folder,
+    the one holding ``fsdp_compose/``), not from wherever ``sys.path`` would find
+    it; its ``__file__``. For comparing two versions of the library in one run
+    (``benchmarks.before_after``). Raises if this process already imported
+    ``fsdp_compose`` from elsewhere (a fork server that preloaded it): two copies
+    of the library cannot share one process."""
+    root = os.path.realpath(root)
+    loaded = sys.modules.get("fsdp_compose")
+    if loaded is not None and not os.path.realpath(loaded.__file__).startswith(root + os.sep):
+        raise RuntimeError(f"fsdp_compose is already imported from {loaded.__file__}, not from "
+                           f"{root}: the process that forked this rank must not preload it")
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    module = importlib.import_module("fsdp_compose")
+    if not os.path.realpath(module.__file__).startswith(root + os.sep):
+        raise RuntimeError(f"fsdp_compose came from {module.__file__}, not from {root}")
+    return module.__file__
+
+
 def write_result(cfg: dict, rank: int, res: dict) -> None:
     """A rank's result, where ``run_ranks`` collects it (written atomically)."""
     tmp = os.path.join(cfg["tmpdir"], f"result{rank}.json.tmp")

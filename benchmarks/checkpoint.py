@@ -68,7 +68,10 @@ def _local_bytes(tree) -> int:
 
 
 def worker(impl: str, shape_name: str, path: str, per_item: bool = False,
-           load_mode: str | None = None) -> None:
+           load_mode: str | None = None, fsdp_compose_path: str | None = None) -> None:
+    if fsdp_compose_path:  # this version of the library (benchmarks.before_after)
+        from benchmarks._launch import import_fsdp_compose_from
+        import_fsdp_compose_from(fsdp_compose_path)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -148,11 +151,42 @@ def worker(impl: str, shape_name: str, path: str, per_item: bool = False,
     res = {"take": phase(take)}
     held.clear()
     res.update({"save": phase(save), "load": phase(load), "rss_mib": _rss_kib("VmRSS") / 1024})
+    if impl == "fsdp_compose":  # which copy of the library ran (benchmarks.before_after)
+        res["fsdp_compose_file"] = sys.modules["fsdp_compose"].__file__
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, res)
     if rank == 0:
         print("RESULT " + json.dumps({"impl": impl, "ranks": out}), flush=True)
     dist.destroy_process_group()
+
+
+def launch(impl: str, shape: str, ranks: int, path: str, per_item: bool = False,
+           load_mode: str | None = None, fsdp_compose_path: str | None = None) -> list[dict]:
+    """One ``torchrun`` launch of :func:`worker`; every rank's result.
+    ``fsdp_compose_path``: import fsdp_compose from that checkout (its top folder)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "-m", "benchmarks.checkpoint",
+           "--worker", impl, "--shape", shape, "--dir", path]
+    cmd += ["--per-item-files"] if per_item else []
+    cmd += ["--load-mode", load_mode] if load_mode else []
+    cmd += ["--fsdp-compose-path", fsdp_compose_path] if fsdp_compose_path else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{impl} {load_mode or ''}: no result (exit {p.returncode})")
+    return json.loads(line[len("RESULT "):])["ranks"]
+
+
+def phases(ranks: list[dict]) -> dict:
+    """A launch's take / save / load: (seconds, peak MiB), max over ranks."""
+    return {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
+            for k in ("take", "save", "load")}
+
+
+def dir_mib(path: str) -> float:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
 
 
 def main(argv=None) -> int:
@@ -166,35 +200,26 @@ def main(argv=None) -> int:
                     help="FileSystemWriter(single_file_per_rank=False): one file per tensor box")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--load-mode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fsdp-compose-path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.shape, args.dir, args.per_item_files, args.load_mode)
+        worker(args.worker, args.shape, args.dir, args.per_item_files, args.load_mode,
+               args.fsdp_compose_path)
         return 0
     rows, safe = {}, {}
 
-    def launch(impl, path, load_mode=None):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.ranks}", "-m", "benchmarks.checkpoint",
-               "--worker", impl, "--shape", args.shape, "--dir", path]
-        cmd += ["--per-item-files"] if args.per_item_files else []
-        cmd += ["--load-mode", load_mode] if load_mode else []
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{impl} {load_mode or ''}: no result (exit {p.returncode})")
-        return json.loads(line[len("RESULT "):])["ranks"]
+    def run(impl, path, load_mode=None):
+        return launch(impl, args.shape, args.ranks, path, args.per_item_files, load_mode)
 
     for _rep in range(args.repeats):
         for impl in IMPLS:
             path = os.path.join(args.dir, impl)
             shutil.rmtree(path, ignore_errors=True)
-            ranks = launch(impl, path)
-            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            ranks = run(impl, path)
+            size = dir_mib(path) * 2**20
             if impl == "fsdp_compose":  # load_checkpoint, both modes, fresh processes each
                 for mode in ("in place", "staged"):
-                    lr = launch(impl, path, "staged" if mode == "staged" else "verified")
+                    lr = run(impl, path, "staged" if mode == "staged" else "verified")
                     got = {"s": max(x["load"][0] for x in lr),
                            "peak": max(x["load"][1] for x in lr),
                            "abs": max(x["load_peak_mib"] for x in lr),
@@ -208,8 +233,7 @@ def main(argv=None) -> int:
                     prev = safe.get(mode)
                     safe[mode] = got if prev is None else {k: min(prev[k], got[k]) for k in got}
             shutil.rmtree(path, ignore_errors=True)
-            r = {k: (max(x[k][0] for x in ranks), max(x[k][1] for x in ranks))
-                 for k in ("take", "save", "load")}
+            r = phases(ranks)
             r["size_mib"] = size / 2**20
             prev = rows.get(impl)
             rows[impl] = r if prev is None else {  # best of the repeats

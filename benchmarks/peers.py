@@ -82,6 +82,11 @@ threads: less sensitive than wall time to a busy machine); peak RSS per rank
 (max over ranks, median over repeats); the final loss (mean over ranks); and
 the largest relative per-step loss difference against DDP. This orchestrating
 process never imports torch (matplotlib only at the end, for the plot).
+``benchmarks.before_after`` reuses these launches to compare two versions of
+fsdp_compose in one run: its ranks import the library from the folder in
+their config (``fsdp_compose_path``, forked from a server that did not
+preload it, ``PRELOAD_FROM_PATH``), and time ``optimizer.step()`` alone after
+the timed steps (``optim_steps``). Neither is set by this CLI.
 
 Defaults (all four shapes, 4 implementations, 3 repeats) take ~11-15 minutes
 on a 2-core machine: overhead 3 warmup + 15 timed steps, memory and deep 1 + 3
@@ -107,7 +112,7 @@ import statistics
 import sys
 import time
 
-from benchmarks._launch import LaunchError, run_ranks, write_result
+from benchmarks._launch import LaunchError, import_fsdp_compose_from, run_ranks, write_result
 from benchmarks.shapes import SHAPES, Shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,7 +428,7 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
 
     if distributed:
         dist.barrier()
-    mem_end = _rss_now_mib()
+    mem_end = _rss_now_mib()  # (the peak is read here: the optimizer timing below adds state)
     res = {
         "impl": impl, "setting": setting, "rank": rank, "world": world, "device": str(device),
         "losses": [float(v) for v in losses],
@@ -437,8 +442,49 @@ def run_impl(cfg: dict, rank: int, world: int, device) -> dict:
         "torch": torch.__version__,
         "t_setup": t_setup, "t_setup_done": t_setup_done, "t_end": time.time(),
     }
+    if cfg.get("optim_steps"):
+        res["optim_step_s"], res["optim_step_cpu_s"] = _time_optim_steps(
+            model, optim, data[-1], cfg["optim_steps"], setting, distributed, sync)
     del optim, model, data
     return res
+
+
+def _time_optim_steps(model, optim, batch, n: int, setting: str, distributed: bool,
+                      sync) -> tuple[dict, dict]:
+    """``optimizer.step()`` alone, ``n`` times, on the trained model (cfg
+    ``optim_steps``, after the peak memory was read): one more forward and
+    backward makes the gradients, then each optimizer steps on them, alternating
+    (an untimed first step each). ``default``: the run's own optimizer (AdamW
+    with torch's defaults: on CPU its for-loop implementation, as torch uses
+    foreach only on accelerators); ``foreach``: AdamW(foreach=True) on the same
+    parameters (not under the muon setting). Seconds per step, this rank: wall
+    time, and this thread's CPU time (with one intra-op thread the step runs on
+    it: what a busy machine's other jobs change least)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    x, y = batch
+    optim.zero_grad()
+    F.mse_loss(model(x).float(), y).backward()
+    optims = {"default": optim}
+    if setting != "muon":
+        optims["foreach"] = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    for o in optims.values():
+        o.step()
+    sync()
+    if distributed:
+        dist.barrier()
+    times: dict = {k: [] for k in optims}
+    cpu: dict = {k: [] for k in optims}
+    for _ in range(n):
+        for k, o in optims.items():
+            c0, t0 = time.thread_time(), time.perf_counter()
+            o.step()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.thread_time() - c0)
+    optim.zero_grad()
+    return times, cpu
 
 
 def _summarise_profile(prof, n_steps: int) -> list:
@@ -468,6 +514,9 @@ def _worker_entry(cfg_path: str) -> None:
     if cfg["pg_timeout"] > 10:  # a hang shows where each rank was, before the kill
         import faulthandler
         faulthandler.dump_traceback_later(cfg["pg_timeout"] - 5, exit=False)
+    where = None
+    if cfg.get("fsdp_compose_path"):  # this version of the library (benchmarks.before_after)
+        where = import_fsdp_compose_from(cfg["fsdp_compose_path"])
     import torch
     torch.set_num_threads(cfg["threads"])
     import torch.distributed as dist
@@ -478,6 +527,7 @@ def _worker_entry(cfg_path: str) -> None:
     try:
         res = run_impl(cfg, rank, world, torch.device("cpu"))
         res["t_enter"] = t_enter
+        res["fsdp_compose_file"] = where
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -491,21 +541,31 @@ def _worker_entry(cfg_path: str) -> None:
 # and the same ~torch-import RSS baseline for every implementation).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.nn.parallel",
             "torch.profiler", "fsdp_compose", "benchmarks.models"]
+#: For a run whose ranks import fsdp_compose themselves, each from its
+#: ``cfg["fsdp_compose_path"]`` (``benchmarks.before_after``: two versions in one
+#: run): the same without the library, plus torch modules it imports. One fork
+#: server serves a whole process, so every launch of such a run must use it.
+PRELOAD_FROM_PATH = [m for m in _PRELOAD if m != "fsdp_compose"] + [
+    "torch.distributed.tensor", "torch.distributed.checkpoint"]
 
 
-def _launch_once(cfg: dict, world: int, timeout: float) -> list[dict]:
-    return run_ranks("benchmarks.peers", _PRELOAD, cfg, world, timeout,
+def _launch_once(cfg: dict, world: int, timeout: float, preload: list[str]) -> list[dict]:
+    return run_ranks("benchmarks.peers", preload, cfg, world, timeout,
                      f"{cfg['impl']} ({cfg['shape']['name']}, world {world})")
 
 
-def launch(cfg: dict, world: int, timeout: float) -> list[dict]:
-    """Run one implementation in ``world`` fresh processes; retry once on a port race."""
+def launch(cfg: dict, world: int, timeout: float,
+           preload: list[str] | None = None) -> list[dict]:
+    """Run one implementation in ``world`` fresh processes; retry once on a port race.
+    ``preload``: the fork server's modules (default: torch, the implementations
+    and the models)."""
+    preload = _PRELOAD if preload is None else preload
     try:
-        return _launch_once(cfg, world, timeout)
+        return _launch_once(cfg, world, timeout, preload)
     except LaunchError as e:
         if "ddress already in use" not in str(e) and "EADDRINUSE" not in str(e):
             raise
-        return _launch_once(cfg, world, timeout)
+        return _launch_once(cfg, world, timeout, preload)
 
 
 def _shape_dict(shape: Shape) -> dict:
