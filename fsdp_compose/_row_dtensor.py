@@ -321,6 +321,8 @@ class RowParam(DTensor):
                                           "the result does not keep the rows as its dim 0")
                         if isinstance(out, torch.Tensor):
                             return _row_view(func, name, args, kwargs, out)
+            if name.startswith(_FOREACH) and args and isinstance(args[0], (list, tuple)):
+                return _foreach(func, name, args, kwargs)
             _precheck(name, args, kwargs)
             return _rewrap(func(*args, **kwargs), args, name, check=True)
 
@@ -404,6 +406,26 @@ def _precheck(op: str, args, kwargs) -> None:
             continue
         raise _refuse(op, rows, f"another DTensor operand ({tuple(d.placements)}, shape "
                                 f"{tuple(d.shape)}) would be split by torch.chunk's rows, not ours")
+
+
+_FOREACH = ("_foreach_", "_amp_foreach_")
+
+
+def _foreach(func, op: str, args, kwargs):
+    """A foreach op (``torch._foreach_mul_(grads, c)``, GradScaler's unscale):
+    element-wise per list index, so checked and rewrapped per index; the
+    lists' tensors (different parameters) may split dim 0 differently."""
+    n = len(args[0])
+    operands = (*args, *kwargs.values())
+    lists = [a for a in operands if isinstance(a, (list, tuple)) and len(a) == n]
+    rest = [a for a in operands if not any(a is lst for lst in lists)]
+    cols = [[lst[i] for lst in lists] + rest for i in range(n)]
+    for col in cols:
+        _precheck(op, col, {})
+    out = func(*args, **kwargs)
+    if isinstance(out, (list, tuple)) and len(out) == n:
+        return type(out)(_rewrap(o, col, op, check=True) for o, col in zip(out, cols))
+    return out
 
 
 def _rewrap(out, args, op: str, check: bool):
