@@ -102,6 +102,11 @@ class ParamEntry:
         if self.row is None:
             return nn.Parameter(local, requires_grad=requires_grad)
         p = nn.Parameter(row_param(local, self.row), requires_grad=requires_grad)
+        # nn.Parameter detached the DTensor: its local tensor became a new alias of
+        # the rows with a version counter of its own. Keep ``local`` itself, so that
+        # writes to the rows (the optimizer step) bump the shard's version, which
+        # marks a kept unsharded flat stale (Unit: shard._version).
+        p._local_tensor = local  # type: ignore[attr-defined]
         p._fsdp_name = self.fqn  # type: ignore[attr-defined]
         return p
 

@@ -321,6 +321,8 @@ class RowParam(DTensor):
                                           "the result does not keep the rows as its dim 0")
                         if isinstance(out, torch.Tensor):
                             return _row_view(func, name, args, kwargs, out)
+            if name.startswith(_FOREACH) and args and isinstance(args[0], (list, tuple)):
+                return _foreach(func, name, args, kwargs)
             _precheck(name, args, kwargs)
             return _rewrap(func(*args, **kwargs), args, name, check=True)
 
@@ -417,6 +419,46 @@ def _precheck_one(op: str, args, kwargs) -> None:
             continue
         raise _refuse(op, rows, f"another DTensor operand ({tuple(d.placements)}, shape "
                                 f"{tuple(d.shape)}) would be split by torch.chunk's rows, not ours")
+
+
+_FOREACH = ("_foreach_", "_amp_foreach_")
+
+
+def _foreach(func, op: str, args, kwargs):
+    """A foreach op (``torch._foreach_mul_(grads, c)``, GradScaler's unscale):
+    element-wise per list index, so checked and rewrapped per index; the
+    lists' tensors (different parameters) may split dim 0 differently. Lists
+    that also hold plain tensors (the grads of 0-d, HSDP parameters, which
+    stay plain), which DTensor refuses, run as two calls: the plain indices,
+    then the DTensor ones (GradScaler's check: DTensor's call then reduces
+    ``found_inf`` over the mesh, the plain call's flags included)."""
+    n = len(args[0])
+    operands = (*args, *kwargs.values())
+    lists = [a for a in operands if isinstance(a, (list, tuple)) and len(a) == n]
+    rest = [a for a in operands if not any(a is lst for lst in lists)]
+    cols = [[lst[i] for lst in lists] + rest for i in range(n)]
+    for col in cols:
+        _precheck(op, col, {})
+    plain = [i for i in range(n) if not any(isinstance(lst[i], DTensor) for lst in lists)]
+    if 0 < len(plain) < n:
+        dts = [i for i in range(n) if i not in set(plain)]
+
+        def pick(a, idx):
+            return type(a)(a[i] for i in idx) if any(a is lst for lst in lists) else a
+
+        parts = [func(*[pick(a, idx) for a in args],
+                      **{k: pick(v, idx) for k, v in kwargs.items()}) for idx in (plain, dts)]
+        if not isinstance(parts[0], (list, tuple)):
+            return parts[0]  # (in place)
+        out: Any = [None] * n
+        for idx, part in zip((plain, dts), parts):
+            for i, o in zip(idx, part):
+                out[i] = o
+    else:
+        out = func(*args, **kwargs)
+    if isinstance(out, (list, tuple)) and len(out) == n:
+        return type(out)(_rewrap(o, col, op, check=True) for o, col in zip(out, cols))
+    return out
 
 
 def _rewrap(out, args, op: str, check: bool):

@@ -86,6 +86,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _PKG = os.sep + "fsdp_compose" + os.sep
@@ -192,6 +193,8 @@ def _join(into: dict, other: dict) -> None:
 
 
 def _tensors(x) -> list:
+    if isinstance(x, DTensor):  # (a sharded parameter, its grad: the memory is its local
+        return [x._local_tensor]  # tensor; the wrapper has none, and its ops reach no mode)
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):

@@ -229,8 +229,12 @@ def _diff(tag: str, ours: torch.Tensor, exp: torch.Tensor, rtol=RTOL, atol=ATOL)
 
 
 def all_sharded(model: nn.Module) -> List[str]:
+    # this rank's rows, held as the sharded Parameter's local tensor (a RowParam
+    # DTensor of the global shape where the parameter is split over ranks)
     bad = [n for n, p in model.named_parameters()
-           if tuple(p.shape) != expected_shape(param_info(p).shape, param_info(p).local_range)]
+           if tuple(_support.rows(p).shape)
+           != expected_shape(param_info(p).shape, param_info(p).local_range)
+           or tuple(p.shape) not in {tuple(param_info(p).shape), tuple(_support.rows(p).shape)}]
     return [f"not sharded (row pieces) again: {bad}"] if bad else []
 
 

@@ -662,9 +662,9 @@ def _alignment(rank, world):
         for u in model._units(True):
             for g in u.groups:
                 for e in g.entries:
-                    p = e.sharded
-                    if p.grad is not None and p.grad.numel():
-                        base = p.grad.data_ptr() - e.shard_range[0] * p.grad.element_size()
+                    grad = e.grad_rows()  # this rank's rows (p.grad is a RowParam)
+                    if grad is not None and grad.numel():
+                        base = grad.data_ptr() - e.shard_range[0] * grad.element_size()
                         if base % 16:
                             bad.append(f"{mp}: the gradient shard of {e.fqn} at {base % 16} "
                                        "bytes past 16-byte alignment")

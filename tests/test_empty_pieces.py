@@ -47,7 +47,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_compose import fully_shard, param_info
 
 from ._pieces import local_piece
-from ._support import OptimizerContainer, Scenarios, _value_problem, compare_with_reference
+from ._support import (OptimizerContainer, Scenarios, _value_problem, compare_with_reference,
+                       rows)
 
 D = 6
 STEPS = 4
@@ -116,7 +117,7 @@ def none_pattern(model) -> tuple:
 def empty_pieces(model) -> list[str]:
     """Names of the parameters this rank holds none of (another rank does)."""
     return [n for n, p in model.named_parameters()
-            if p.numel() == 0 and param_info(p).shape.numel() > 0]
+            if rows(p).numel() == 0 and param_info(p).shape.numel() > 0]
 
 
 def state_problems(opt, ref_opt, model, ref, tag) -> list[str]:
@@ -184,10 +185,11 @@ def train(rank, world, make_opts, *, granularity="row", set_to_none=True, max_no
                 for o in os:
                     s.unscale_(o)
         problems += compare_with_reference(model, ddp.module, tag, params=False)
-        problems += [f"{tag} {n}: its empty gradient keeps {p.grad.untyped_storage().nbytes()} "
-                     "bytes alive" for n, p in model.named_parameters()
-                     if p.grad is not None and p.numel() == 0
-                     and p.grad.untyped_storage().nbytes() > 0]
+        problems += [f"{tag} {n}: its empty gradient keeps "
+                     f"{rows(p.grad).untyped_storage().nbytes()} bytes alive"
+                     for n, p in model.named_parameters()
+                     if p.grad is not None and rows(p).numel() == 0
+                     and rows(p.grad).untyped_storage().nbytes() > 0]
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # routed to ours
             ref_norm = torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), max_norm)

@@ -21,7 +21,7 @@ import fsdp_compose
 from fsdp_compose import fully_shard
 
 from . import _support
-from ._support import compare_with_reference, shard, sharded_range
+from ._support import compare_with_reference, rows, shard, sharded_range
 from ._dist import run_distributed
 
 ELEMENTWISE = ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
@@ -61,7 +61,7 @@ class Declared(torch.optim.SGD):
 def _try_step(model: nn.Module, make, closure: bool = False) -> str:
     """One step of a fresh optimizer; 'ok', or the error (shards must be untouched)."""
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
-    before = [p.detach().clone() for p in model.parameters()]
+    before = [rows(p).detach().clone() for p in model.parameters()]  # this rank's rows
     try:
         opt = make()
         loss = model(x).square().mean()
@@ -69,7 +69,7 @@ def _try_step(model: nn.Module, make, closure: bool = False) -> str:
         opt.step((lambda: model(x).square().mean()) if closure else None)
         return "ok"
     except Exception as e:  # noqa: BLE001 - the test compares the messages
-        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        unchanged = all(torch.equal(a, rows(p)) for a, p in zip(before, model.parameters()))
         return f"{type(e).__name__}{'' if unchanged else ' (shards written)'}: {e}"
     finally:
         for p in model.parameters():
@@ -94,7 +94,8 @@ def _guard(rank, world):
     out["Declared"] = _try_step(model, lambda: Declared(model.parameters(), lr=1e-3))
     # (the 32x32 weight of the second Linear must be split at world size > 1)
     one = _one_matrix()
-    out["split"] = [0 < p.shape[0] < fsdp_compose.param_info(p).shape[0] for p in one.parameters()]
+    out["split"] = [0 < rows(p).shape[0] < fsdp_compose.param_info(p).shape[0]
+                    for p in one.parameters()]
     out["LBFGS"] = _try_step(one, lambda: torch.optim.LBFGS(one.parameters(), max_iter=2),
                              closure=True)
     out["Adafactor"] = _try_step(one, lambda: torch.optim.Adafactor(one.parameters()))
@@ -190,14 +191,15 @@ def test_torch_clip_grad_norm_is_global(world, max_norm):
 
 
 # ------------------------------------------------------------------ loss scaling
-# ``p.grad`` of a sharded parameter is this rank's rows of the averaged
-# gradient, so an inf in the gradient lands on the rank that holds its row
-# only. torch's ShardedGradScaler all-reduces its found-inf flag: every rank
+# ``p.grad`` of a sharded parameter holds this rank's rows of the averaged
+# gradient (a RowParam's local tensor), so an inf in the gradient lands on the
+# rank that holds its row only. torch's ShardedGradScaler all-reduces its found-inf flag: every rank
 # skips the same steps, as the reference (one process, the unsharded model,
 # torch.amp.GradScaler on the global batch) does. fsdp_compose makes
 # torch.amp.GradScaler on sharded parameters an error on every rank that
-# names ShardedGradScaler ([Note: loss scaling] in _torch_hooks.py); the step
-# check catches the divergence that GradScaler without that guard causes.
+# names ShardedGradScaler ([Note: loss scaling] in _torch_hooks.py). Without
+# that guard, GradScaler's check on RowParam gradients runs through DTensor,
+# which max-reduces the found-inf flag over the mesh: no rank skips alone.
 # One step poisons one element of one gradient (the last element of
 # ``layers.1.lin2.weight``, through an autograd Function that writes inf into
 # its gradient), the same in every rank and in the reference. Parameters are
@@ -287,7 +289,7 @@ def _scaled_run(rank: int, world: int, kind: str) -> dict:
 
         scaler.unscale_(opt)
         ref_scaler.unscale_(ref_opt)
-        local_inf = any(p.grad is not None and not torch.isfinite(p.grad).all()
+        local_inf = any(p.grad is not None and not torch.isfinite(rows(p.grad)).all()
                         for p in model.parameters())
         problems = compare_with_reference(model, ref, f"step {step}", params=False)
         before = steps_taken[:]
@@ -318,9 +320,10 @@ def _scalers(rank: int, world: int) -> dict:
     except RuntimeError as e:
         out["plain"] = str(e)
     try:  # last: a DivergenceError stops this process group's models
-        _scaled_run(rank, world, "unguarded")
+        out["unguarded"] = _scaled_run(rank, world, "unguarded")
         out["checked"] = None
     except DivergenceError as e:
+        out["unguarded"] = None
         out["checked"] = str(e)
     return out
 
@@ -350,15 +353,27 @@ def test_sharded_grad_scaler_matches_the_reference_on_every_rank(scaled):
         assert not problems, (world, rank, problems[:12])
 
 
-def test_the_step_check_stops_the_unguarded_divergence_on_every_rank(scaled):
-    """torch.amp.GradScaler without the guard: the rank holding the inf
-    alone skips the step. With the step check (the default), that rank meets
-    the others at the next forward's check with one optimizer step less:
-    every rank raises instead of training on differently."""
+def test_unguarded_grad_scaler_skips_the_same_steps_on_every_rank(scaled):
+    """torch.amp.GradScaler without the guard. ``p.grad`` of a split
+    parameter is a RowParam DTensor, and DTensor runs GradScaler's inf/nan
+    check with a max-reduction of ``found_inf`` over the mesh (as under
+    FSDP2): every rank skips the inf step and backs off, as the reference, so
+    the step check has no divergence to stop (it did while ``p.grad`` was
+    plain rows: the holder alone skipped; the step check itself is tested in
+    test_divergence)."""
     world, results = scaled
+    holders = [r for r in range(world) if results[r]["sharded"]["holds_poisoned"]]
+    assert len(holders) == 1, holders
     for rank, r in enumerate(results):
-        assert r["checked"] is not None and "optimizer steps so far" in r["checked"], \
-            (rank, r["checked"])
+        assert r["checked"] is None, (rank, r["checked"])
+        steps = r["unguarded"]["steps"]
+        assert [s["local_inf"] for s in steps] == \
+            [rank == holders[0] and i == INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
+            == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
+        problems = [p for s in steps for p in s["problems"]]
+        assert not problems, (world, rank, problems[:12])
 
 
 def test_plain_grad_scaler_on_sharded_parameters_raises_on_every_rank(scaled):

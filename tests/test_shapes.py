@@ -9,8 +9,10 @@ model, with the same optimizers built by the same code, and compares the
 loss every step (relative 1e-5) and the parameters at the end:
 
 * ``shapes``: every parameter keeps its ndim and trailing dims (a 0-d one is
-  1-D, docs/design.md "Row-granular shards"), the ranks' rows tile dim 0, and
-  ``param_info`` reports rows and per-rank bytes;
+  1-D, docs/design.md "Row-granular shards"); one split over ranks is, as
+  under FSDP2, a ``Shard(0)`` DTensor of the global shape whose local tensor
+  is this rank's rows; the ranks' rows tile dim 0, and ``param_info`` reports
+  rows and per-rank bytes;
 * ``ndim_groups``: AdamW with nanoGPT's grouping (weight decay only where
   ``p.ndim >= 2``), both granularities;
 * ``muon``: ``torch.optim.Muon`` over the 2-D weights plus AdamW over the
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_compose import fully_shard, param_info
@@ -35,7 +38,7 @@ from fsdp_compose._registry import SHARDED as _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece
-from ._support import OnFirstUse
+from ._support import OnFirstUse, rows as local_rows
 
 V, D, H, T, ROWS, STEPS = 17, 12, 20, 6, 8, 4
 RTOL = 1e-5
@@ -119,13 +122,23 @@ def _shapes(granularity, rank, world) -> list[str]:
     rows, infos = {}, {}
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         info = param_info(p)
+        mine = local_rows(p)  # this rank's rows (a split parameter's local tensor)
         want_ndim = max(r.ndim, 1)  # a 0-d parameter's piece is 1-D
-        if p.ndim != want_ndim or (r.ndim and p.shape[1:] != r.shape[1:]):
-            bad.append(f"{name}: {tuple(p.shape)} for {tuple(r.shape)}")
-        if r.ndim and p.shape[0] != info.rows[1] - info.rows[0]:
-            bad.append(f"{name}: {p.shape[0]} rows, param_info says {info.rows}")
-        if not torch.equal(p.detach(), local_piece(r, info.local_range)):
+        for t, what in ((p, "parameter"), (mine, "rows")):
+            if t.ndim != want_ndim or (r.ndim and t.shape[1:] != r.shape[1:]):
+                bad.append(f"{name}: {what} {tuple(t.shape)} for {tuple(r.shape)}")
+        if r.ndim and mine.shape[0] != info.rows[1] - info.rows[0]:
+            bad.append(f"{name}: {mine.shape[0]} rows, param_info says {info.rows}")
+        if not torch.equal(mine.detach(), local_piece(r, info.local_range)):
             bad.append(f"{name}: values are not rows {info.rows} of the original")
+        if world > 1 and r.ndim:  # split over ranks: as under FSDP2, a DTensor of the
+            # global shape, Shard(0), whose full tensor is the original
+            if not isinstance(p, DTensor) or p.shape != r.shape \
+                    or tuple(p.placements) != (Shard(0),):
+                bad.append(f"{name}: {type(p).__name__} {tuple(p.shape)}, want a Shard(0) "
+                           f"DTensor of {tuple(r.shape)}")
+            elif not torch.equal(p.full_tensor(), r.detach()):
+                bad.append(f"{name}: full_tensor() is not the original")
         if info.granularity != granularity:
             bad.append(f"{name}: granularity {info.granularity}")
         if len(info.rank_bytes) != world:
@@ -190,10 +203,11 @@ def _train(granularity, make_optims, rank, world, count_ns=False) -> list[str]:
             bad.append(f"step {step}: loss {loss.item()!r}, DDP {ref_loss.item()!r}")
         for name, p in model.named_parameters():
             # as under DDP on every rank: set (empty where this rank holds no rows)
-            if p.grad is None or p.grad.shape != p.shape:
+            if p.grad is None or p.grad.shape != p.shape \
+                    or local_rows(p.grad).shape != local_rows(p).shape:
                 bad.append(f"step {step} {name}: p.grad is "
-                           f"{'None' if p.grad is None else tuple(p.grad.shape)} with rows "
-                           f"{param_info(p).rows}")
+                           f"{'None' if p.grad is None else tuple(local_rows(p.grad).shape)} "
+                           f"with rows {param_info(p).rows}")
         torch.optim._muon._zeropower_via_newtonschulz = counting_ns
         try:
             for o in opts:
@@ -206,8 +220,9 @@ def _train(granularity, make_optims, rank, world, count_ns=False) -> list[str]:
             o.zero_grad()
     for (name, p), r in zip(model.named_parameters(), ddp.module.parameters()):
         want = local_piece(r, param_info(p).local_range)
-        if not torch.allclose(p.detach(), want, rtol=1e-4, atol=1e-6):
-            bad.append(f"{name}: {(p.detach() - want).abs().max().item():.2e} from DDP at the end")
+        mine = local_rows(p).detach()
+        if not torch.allclose(mine, want, rtol=1e-4, atol=1e-6):
+            bad.append(f"{name}: {(mine - want).abs().max().item():.2e} from DDP at the end")
     if count_ns:
         if any(0 in shape for shape in ns_calls):
             bad.append(f"Newton-Schulz ran on an empty matrix: {ns_calls}")

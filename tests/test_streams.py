@@ -33,7 +33,7 @@ from ._pieces import piece_close
 
 from ._dist import run_distributed
 from ._support import (Net, StreamDouble, check_stream_protocol, per_unit_collectives,
-                       recording)
+                       recording, rows)
 
 
 # the collectives the stream manager issues in training, each checked by check_stream_protocol
@@ -89,7 +89,7 @@ def _train(streams: bool, per_unit: bool, padded: bool = False):
             ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
-        out["params"] = [p.detach().clone() for p in model.parameters()]
+        out["params"] = [rows(p).detach().clone() for p in model.parameters()]  # this rank's
         out["manager"] = repr(model._unit().ctx.streams)
         del model, opt
         gc.collect()  # every release is in the log

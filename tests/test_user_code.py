@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import fsdp_compose
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
-from ._support import Scenarios, call_by_name, compare_with_reference, range_or_whole
+from ._support import Scenarios, call_by_name, compare_with_reference, range_or_whole, rows
 
 ROWS = 8
 
@@ -268,10 +268,11 @@ def clip_arguments(rank, world):
             m, _ = built(4)
             x, y = batch(0)
             F.mse_loss(m(mine(x, rank, world)), mine(y, rank, world)).backward()
-            held = [p for p in m.parameters() if p.grad is not None and p.grad.numel()]
+            # (this rank's rows of the gradients: a RowParam's local tensor)
+            held = [p for p in m.parameters() if p.grad is not None and rows(p.grad).numel()]
             if rank == world - 1:
-                held[-1].grad.view(-1)[0] = poison
-            before = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+                rows(held[-1].grad).view(-1)[0] = poison
+            before = [None if p.grad is None else rows(p.grad).clone() for p in m.parameters()]
             try:
                 fsdp_compose.clip_grad_norm_(m.parameters(), 0.05, norm_type,
                                              error_if_nonfinite=True)
@@ -279,8 +280,8 @@ def clip_arguments(rank, world):
             except RuntimeError as e:
                 if "non-finite" not in str(e) or "error_if_nonfinite=False" not in str(e):
                     bad.append(f"unexpected error: {e}")
-            if not all((p.grad is None and g is None) or torch.equal(p.grad, g)
-                       or p.grad.isnan().any() for p, g in zip(m.parameters(), before)):
+            if not all((p.grad is None and g is None) or torch.equal(rows(p.grad), g)
+                       or rows(p.grad).isnan().any() for p, g in zip(m.parameters(), before)):
                 bad.append("gradients were scaled before raising")
             if world > 1:  # every rank is out of clip's collectives: this one matches
                 flag = torch.ones(1)
