@@ -383,17 +383,6 @@ _ROWS_FIRST = frozenset({"mm", "matmul", "__matmul__", "addmm", "bmm"})
 
 
 def _precheck(op: str, args, kwargs) -> None:
-    if op.startswith("_foreach_"):  # element-wise per list position: checked per position
-        lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
-        others = [a for a in list(args) + list(kwargs.values())
-                  if not isinstance(a, (list, tuple))]
-        for items in zip(*lists):
-            _precheck_one(op, list(items) + others, {})
-        return
-    _precheck_one(op, args, kwargs)
-
-
-def _precheck_one(op: str, args, kwargs) -> None:
     ds = [t for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)]
     splits = {s for s in map(_split_of, ds) if s is not None}
     if len(splits) > 1:

@@ -34,17 +34,19 @@ norm, ``clip_grads_with_norm_`` (a local scaling) is right as it is.
 
 [Note: loss scaling]
 ``torch.amp.GradScaler.unscale_`` looks for inf/nan in the gradients this
-rank holds. On sharded parameters that is this rank's rows: an overflow in
-one rank's rows makes that rank alone skip ``optimizer.step()`` and back off
-its scale, while the others step; the ranks then train differently, without
-an error (docs/design.md, "Loss scaling"). torch's
-``ShardedGradScaler`` all-reduces that check. So at the first ``fully_shard``
-``GradScaler.unscale_`` (which ``step`` calls too) gets a guard: for an
-enabled scaler whose optimizer holds a parameter split over ranks, it raises
-on every rank (the layout is the same on every rank) naming the parameter and
+rank holds. A RowParam's gradient is a DTensor: torch's check then
+all-reduces ``found_inf`` over its mesh (as under FSDP2), and with it the
+flags of plain gradients in the same call (a 0-d parameter's piece of the
+same dtype and device). Gradients that are still plain row pieces (HSDP,
+tensor-parallel parameters inside units) are checked on this rank's rows
+alone: an overflow in one rank's rows would make that rank alone skip
+``optimizer.step()`` and back off its scale, silently (docs/design.md,
+"Loss scaling"). So at the first ``fully_shard`` ``GradScaler.unscale_``
+(which ``step`` calls too) gets a guard: for an enabled scaler whose
+optimizer holds such a piece split over ranks, it raises on every rank (the
+layout is the same on every rank) naming the parameter and
 ``ShardedGradScaler``, before anything is unscaled. ``ShardedGradScaler``
-overrides ``unscale_``, so it never reaches the guard; any other optimizer
-costs one registry lookup per parameter per ``unscale_``.
+overrides ``unscale_``, so it never reaches the guard.
 """
 from __future__ import annotations
 
@@ -293,11 +295,33 @@ def _any_split(params) -> bool:
     return _first_split(params) is not None
 
 
+def _first_unchecked_split(params):
+    """(group, entry) of the first split parameter whose inf/nan check torch's
+    ``GradScaler`` would keep rank-local; None if none. A RowParam's gradient
+    is a DTensor: torch's check all-reduces ``found_inf`` over its mesh, and
+    with it the flags of the plain gradients of the same dtype and device in
+    that call (a 0-d parameter's piece). HSDP and TP-in-unit pieces stay
+    rank-local."""
+    from ._row_dtensor import RowParam
+    checked = {(p.dtype, p.device) for p in params if isinstance(p, RowParam)}
+    for p in params:
+        hit = SHARDED.get(p)
+        if hit is None or not (hit[0].world > 1 or hit[1].tp is not None):
+            continue
+        g, e = hit
+        if e.row is not None:
+            continue
+        if e.tp is None and g.replicas == 1 and (p.dtype, p.device) in checked:
+            continue
+        return hit
+    return None
+
+
 def _guard_grad_scaler(original):
     """See [Note: loss scaling]."""
     def unscale_(self, optimizer):
-        hit = self.is_enabled() and _first_split(
-            p for group in optimizer.param_groups for p in group["params"])
+        hit = self.is_enabled() and _first_unchecked_split(
+            [p for group in optimizer.param_groups for p in group["params"]])
         if hit:
             raise unit_error(
                 hit[0].unit_fqn, f"{type(self).__name__} on sharded parameters ('{hit[1].fqn}' "

@@ -314,11 +314,19 @@ def _scaled_run(rank: int, world: int, kind: str) -> dict:
 def _scalers(rank: int, world: int) -> dict:
     from fsdp_compose import DivergenceError
     out = {"sharded": _scaled_run(rank, world, "sharded")}
-    try:
-        _scaled_run(rank, world, "plain")
-        out["plain"] = None
-    except RuntimeError as e:
-        out["plain"] = str(e)
+    out["plain"] = _scaled_run(rank, world, "plain")
+    if world == 4:  # HSDP (2 replicas x 2 shards): gradients stay plain row pieces
+        from torch.distributed.device_mesh import init_device_mesh
+        torch.manual_seed(0)
+        model = shard(PoisonNet(), mesh=init_device_mesh("cpu", (2, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = _scaler("plain")
+        scaler.scale(model(torch.randn(2, 3)).pow(2).mean()).backward()
+        try:
+            scaler.unscale_(opt)
+            out["hsdp_plain"] = None
+        except RuntimeError as e:
+            out["hsdp_plain"] = str(e)
     try:  # last: a DivergenceError stops this process group's models
         out["unguarded"] = _scaled_run(rank, world, "unguarded")
         out["checked"] = None
@@ -376,12 +384,27 @@ def test_unguarded_grad_scaler_skips_the_same_steps_on_every_rank(scaled):
         assert not problems, (world, rank, problems[:12])
 
 
-def test_plain_grad_scaler_on_sharded_parameters_raises_on_every_rank(scaled):
-    """The guard: every rank raises at the first unscale_ (before any step),
-    naming a split parameter and the fix."""
+def test_plain_grad_scaler_on_dtensor_gradients_skips_the_same_steps(scaled):
+    """torch.amp.GradScaler with fsdp_compose's guard installed: the guard lets
+    RowParam gradients through (DTensor reduces the found-inf flag, see the
+    test above), and every rank matches the reference."""
     world, results = scaled
     for rank, r in enumerate(results):
-        msg = r["plain"]
+        steps = r["plain"]["steps"]
+        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
+            == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
+        assert not [p for s in steps for p in s["problems"]], rank
+
+
+def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):
+    """The guard, where gradients are still plain row pieces (HSDP): every
+    rank raises at the first unscale_, naming a split parameter and the fix."""
+    world, results = scaled
+    if world != 4:
+        pytest.skip("HSDP needs 4 ranks")
+    for rank, r in enumerate(results):
+        msg = r["hsdp_plain"]
         assert msg is not None, (rank, "no error")
         for want in (f"[rank {rank}]", "GradScaler on sharded parameters", "split over ranks",
                      "ShardedGradScaler"):
