@@ -45,6 +45,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
 
 
+# all_gather_single (2.13+); all_gather_tensor on 2.11, deprecated since
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
@@ -152,7 +156,7 @@ class RowShard(Shard):
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         most = self.largest
         padded = _pad_rows(local_tensor, most)
-        g = _wait(funcol.all_gather_tensor(padded, gather_dim=0, group=(mesh, mesh_dim)))
+        g = _wait(_ALL_GATHER(padded, gather_dim=0, group=(mesh, mesh_dim)))
         if all(b - a == most for a, b in zip(self.cuts, self.cuts[1:])):
             return g
         return torch.cat([g.narrow(0, i * most, b - a)
