@@ -308,3 +308,18 @@ def dtensor_local(t) -> torch.Tensor:
     DTensor is a fresh view without it in torch 2.13 (gh-166156).
     """
     return t._local_tensor
+
+
+# DTensor's C++ dispatch caches sharding decisions keyed by each placement's
+# C++ type and dim: a RowShard (a Python subclass of Shard, _row_dtensor.py)
+# is Shard(0) there, its split invisible. An op on a RowParam would leave an
+# entry whose output carries our RowShard, returned later for a plain
+# Shard(0) DTensor of the same shape (FSDP2's, a user's): wrong rows,
+# silently. So every DTensor op dispatched on a RowParam clears that cache
+# afterwards (the per-step code dispatches none). Private; absent: nothing to clear.
+_CLEAR_NATIVE_CACHE = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+
+
+def clear_dtensor_dispatch_cache() -> None:
+    if _CLEAR_NATIVE_CACHE is not None:
+        _CLEAR_NATIVE_CACHE()

@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from . import _compat
+
 __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
 
 
@@ -197,6 +199,16 @@ _PASS = frozenset({
 })
 
 
+# Calls that read metadata only: no DTensor dispatch, nothing cached
+_NO_DISPATCH = frozenset({
+    "__get__", "__set__", "size", "dim", "numel", "stride", "__repr__", "__format__",
+    "is_contiguous", "data_ptr", "untyped_storage", "element_size", "register_hook",
+    "register_post_accumulate_grad_hook", "__setstate__", "__len__", "__hash__",
+    "_is_view", "is_floating_point", "is_complex", "get_device", "nelement", "ndimension",
+    "__dir__",
+})
+
+
 # Reductions with no identity element: on an empty piece they raise on that
 # rank alone while the others enter DTensor's collective (a hang). Where a
 # piece is empty they run on the whole tensor instead (the same on every rank).
@@ -300,6 +312,18 @@ class RowParam(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name in _NO_DISPATCH:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        try:
+            return cls._guarded(func, name, args, kwargs)
+        finally:
+            # (see _compat.clear_dtensor_dispatch_cache: no cached decision
+            # carrying our split may outlive this call)
+            _compat.clear_dtensor_dispatch_cache()
+
+    @classmethod
+    def _guarded(cls, func, name: str, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             if name in _PASS:
                 out = func(*args, **kwargs)
@@ -468,9 +492,9 @@ def _rewrap(out, args, op: str, check: bool):
         pl = o._spec.placements[0]
         if not isinstance(pl, Shard):
             return o  # Replicate / Partial: does not depend on the split
-        if isinstance(pl, RowShard):
-            return _named(RowParam(o._local_tensor, o._spec, requires_grad=o.requires_grad), ref)
         if pl.dim == 0 and o.dim() > 0 and o.shape[0] == ref.shape[0]:
+            # (the input's split, never the output's object: a cached decision
+            # may carry another tensor's RowShard)
             spec = DTensorSpec(o._spec.mesh, ref._spec.placements,
                                tensor_meta=o._spec.tensor_meta)
             return _named(RowParam(o._local_tensor, spec, requires_grad=o.requires_grad), ref)

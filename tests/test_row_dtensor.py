@@ -124,6 +124,16 @@ def _worker(rank: int, ws: int) -> dict:
     out["shard1"] = torch.equal(s1.full_tensor(), full)
     chunked = distribute_tensor(full, mesh, [Shard(0)])
     out["chunked_after"] = torch.equal(chunked.full_tensor(), full)  # cache not poisoned
+    # DTensor's C++ dispatch cache keys a placement by (type, dim): after ops on
+    # ours, the same ops on a plain Shard(0) tensor of that shape and mesh must
+    # not get our split back (fsdp_compose/_compat.py)
+    with torch.no_grad():
+        for f in (lambda t: t.detach(), lambda t: t + 1, lambda t: t.clone(), lambda t: t * 2):
+            f(p)
+            got_plain = f(chunked)
+            out.setdefault("plain_after_ours", []).append(
+                (type(got_plain.placements[0]).__name__,
+                 torch.allclose(got_plain.full_tensor(), f(full))))
     part = DTensor.from_local(full * (rank + 1), mesh, [Partial()], run_check=False)
     rs = part.redistribute(mesh, [RowShard(cuts)])
     # (a sum over ranks: equal within rounding, not bitwise)
@@ -299,6 +309,11 @@ def test_data_movement_is_right_for_the_uneven_split(got):
 def test_pieces_at_an_offset_pickle(got):
     for r in got[1]:  # (torch's own pickling would read the wrapper's invalid storage)
         assert r["pickle"] == ("RowParam", True, "w", True, True, True)
+
+
+def test_ops_on_ours_leave_plain_shard0_tensors_alone(got):
+    for r in got[1]:
+        assert r["plain_after_ours"] == [("Shard", True)] * 4, r["plain_after_ours"]
 
 
 def test_rowshard_identity(got):
