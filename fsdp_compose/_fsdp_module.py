@@ -408,7 +408,7 @@ def _before_apply(units: list[Unit]) -> None:
 def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
     if p is not e.sharded or p.dtype != g.dtype or p.device != g.shard.device:
         return True
-    return (not p.is_meta and p.untyped_storage().data_ptr()
+    return (not p.is_meta and e.rows_of(p).untyped_storage().data_ptr()
             != g.shard.untyped_storage().data_ptr())
 
 
