@@ -503,7 +503,8 @@ def optim_state_to_dtensors(optim, osd: dict) -> dict:
             continue
         mine[pid] = {k: (("piece", v.dtype) if _is_sharded_state(v, p)
                          else ("value", v.detach().cpu() if isinstance(v, torch.Tensor) else v))
-                     for k, v in st.items() if not isinstance(v, DTensor) or isinstance(v, RowParam)}
+                     for k, v in st.items()
+                     if not isinstance(v, DTensor) or isinstance(v, RowParam)}
     merged = {pid: dict(info) for pid, info in mine.items()}
     if _world_group_size() > 1:
         every: list = [None] * dist.get_world_size()

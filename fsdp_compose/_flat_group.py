@@ -48,7 +48,6 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives, _layout
