@@ -289,6 +289,8 @@ class FlatGroup:
                 if not meta and not p.is_meta and e.shard_range[1] > e.shard_range[0]:
                     shard[slice(*e.shard_range)].copy_(e.rows_of(p).detach().reshape(-1))
                 e.set_data(p, e.piece(shard))
+                if e.row is not None:  # (lost where nn.Module._apply swapped its contents)
+                    p._fsdp_name = e.fqn
             e.sharded = p
         if self.aliased:
             self.flat = shard.data  # alias, own version counter; never freed

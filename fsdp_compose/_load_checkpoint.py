@@ -53,6 +53,7 @@ from ._checkpoint import (_as_list, _keyed_params, _load_entry, _optim_load_dict
                           _units, get_state_dict, optim_state_from_dtensors, shapes_only)
 from ._common import META_FIX, TrainingState, rank as _rank, unit_error
 from ._registry import SHARDED, state_dict_slots
+from ._row_dtensor import row_param
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
 
@@ -534,14 +535,16 @@ def _write_piece(optims, p, key, value: DTensor) -> torch.Tensor:
     and dtype exists (else into a new one); returns it. A collective (the
     conversion's all-to-all, or ``full_tensor()`` for other placements)."""
     g, e = SHARDED.get(p)
+    shape = e.rows_of(p).shape  # this rank's rows (a RowParam's local tensor)
     live = next((o.state[p].get(key) for o in optims if p in o.state), None)
-    dst = live if _writable(live, p.shape, value.dtype) else torch.empty(
-        p.shape, dtype=value.dtype, device=p.device)
+    live = e.rows_of(live) if isinstance(live, torch.Tensor) else live
+    dst = live if _writable(live, shape, value.dtype) else torch.empty(
+        shape, dtype=value.dtype, device=p.device)
     bad = _load_entry(g, e, value, dst.view(-1))  # type: ignore[union-attr]
     if bad:  # (the shapes were checked by DCP: not expected)
         raise RuntimeError(f"fsdp_compose [rank {_rank()}] '{e.fqn}' optimizer state "
                            f"'{key}': {bad}")
-    return dst  # type: ignore[return-value]
+    return dst if e.row is None else row_param(dst, e.row)  # type: ignore[return-value]
 
 
 def _check_loadable(model: nn.Module) -> None:

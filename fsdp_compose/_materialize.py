@@ -18,11 +18,13 @@ not checked.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from ._checkpoint import _units
-from ._registry import SHARDED, state_dict_slots
+from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, state_dict_slots
 from ._common import default_device
 from ._common import rank as _rank
 
@@ -83,9 +85,14 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
     # parameters and buffers outside the units: where the first unit lives
     device = device or (units[0].device if units else default_device())
     meta_groups = [g for u in units for g in u.groups if g.device.type == "meta"]
+    unit_of_group = {id(g): u for u in units for g in u.groups}
     for g in meta_groups:
+        old = [e.sharded for e in g.entries]
         g.materialize_(group_device[id(g)])
         SHARDED.add_groups([g])
+        for o, e in zip(old, g.entries):  # (refused if an optimizer built before holds them)
+            REPLACED[o] = unit_of_group[id(g)]
+            ORIGINAL_ENTRY[o] = weakref.ref(e)
     fresh = {id(g) for g in meta_groups}
     done: set[int] = set()           # entries initialised
     uninit: list[str] = []

@@ -13,7 +13,8 @@ optimizer check, clip and ``param_info``.
   the checkpoint's hook registration);
 - every original Parameter we replaced -> the unit that owns it
   (``REPLACED``, to catch ties across units, and an optimizer built before
-  fully_shard), and -> a weak reference to its entry (``ORIGINAL_ENTRY``,
+  fully_shard; also the meta-device sharded Parameters ``materialize``
+  replaced), and -> a weak reference to its entry (``ORIGINAL_ENTRY``,
   to name it). A unit holds no original Parameter, so these maps hold no
   key of their own either.
 

@@ -314,7 +314,10 @@ class RowParam(DTensor):
         name = getattr(func, "__name__", "")
         if name in _NO_DISPATCH:
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if name == "__set__" and getattr(func, "__self__", None) is _DATA:
+                    _set_data(*args)
+                return out
         try:
             return cls._guarded(func, name, args, kwargs)
         finally:
@@ -327,6 +330,8 @@ class RowParam(DTensor):
         with torch._C.DisableTorchFunctionSubclass():
             if name in _PASS:
                 out = func(*args, **kwargs)
+                if name == "__set__" and getattr(func, "__self__", None) is _DATA:
+                    _set_data(*args)
                 if name in ("detach", "redistribute") or name.endswith("_"):
                     return _rewrap(out, args, name, check=False)
                 return out
@@ -353,6 +358,17 @@ class RowParam(DTensor):
                 return _foreach(func, name, args, kwargs)
             _precheck(name, args, kwargs)
             return _rewrap(func(*args, **kwargs), args, name, check=True)
+
+
+_DATA = torch._C.TensorBase.data  # ``p.data = x`` calls its ``__set__``
+
+
+def _set_data(p, x) -> None:
+    """``p.data = x`` set the wrapper's metadata only: a DTensor's local
+    tensor and spec are Python attributes, taken from ``x`` here (else ``p``
+    would silently keep its old rows)."""
+    if isinstance(p, DTensor) and isinstance(x, DTensor):
+        p._local_tensor, p._spec = x._local_tensor, x._spec
 
 
 # Views and reshapes: allowed where the result keeps the rows as its dim 0

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._dist import run_distributed
-from ._support import OnFirstUse
+from ._support import OnFirstUse, rows
 
 TIMEOUT = 600
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -494,8 +495,8 @@ def _refusals(rank, world):
     fully_shard(a)
     fully_shard(b)
     x = torch.randn(4, 16)
-    out["plain"] = (type(b.weight).__name__, tuple(b.weight.shape),
-                    torch.equal(a(x), b(x)))
+    out["plain"] = (isinstance(b.weight, DTensor), type(rows(b.weight)).__name__,
+                    tuple(b.weight.shape), tuple(rows(b.weight).shape), torch.equal(a(x), b(x)))
     return out
 
 
@@ -512,6 +513,8 @@ def test_refused_at_fully_shard_naming_the_parameter():
         kind, msg = r["tensor_granularity"]
         assert kind == "ValueError" and "'tensor'" in msg and "'weight'" in msg, msg
         # a subclass without the extension is sharded as a plain parameter
-        # (our rows, a plain Parameter, not FSDP2's DTensor), computing as unsharded
-        kind, shape, same = r["plain"]
-        assert kind == "Parameter" and shape[1:] == (16,) and shape[0] < 8 and same
+        # (a DTensor of the global shape over our rows, a plain tensor),
+        # computing as unsharded
+        dtensor, kind, shape, local, same = r["plain"]
+        assert dtensor and kind == "Tensor" and shape == (8, 16), r["plain"]
+        assert local[1:] == (16,) and local[0] < 8 and same, r["plain"]

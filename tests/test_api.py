@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import fsdp_compose
 from fsdp_compose import FSDPModule, comm_stats, fully_shard, param_info, reset_comm_stats
 
 from ._dist import run_distributed
 # (test_streams imports Net and per_unit_collectives from here)
-from ._support import Block, Net, per_unit_collectives, raised, shard
+from ._support import Block, Net, per_unit_collectives, raised, rows, shard
 
 
 # --------------------------------------------------------------------- errors
@@ -161,17 +162,19 @@ def _semantics(rank, world):
         "keeps_class": isinstance(m, Net) and isinstance(m.layers[1], Block),
         "inner_plain": not isinstance(m.layers[0].lin1, FSDPModule),
         "names_same": [n for n, _ in m.named_parameters()] == names_before,
-        # row pieces: the original ndim and trailing dims, this rank's rows
-        "same_ndim": all(p.dim() == r.dim() and p.shape[1:] == r.shape[1:]
+        # DTensors of the global shape over row pieces: the original ndim and
+        # trailing dims, this rank's rows
+        "same_ndim": all(isinstance(p, DTensor) and p.shape == r.shape
+                         and rows(p).dim() == r.dim() and rows(p).shape[1:] == r.shape[1:]
                          for p, r in zip(m.parameters(), ref.parameters())),
-        "local_numel": sum(p.numel() for p in m.parameters()),
+        "local_numel": sum(rows(p).numel() for p in m.parameters()),
         "global_numel": sum(param_info(p).numel for p in m.parameters()),
     }
     # every local piece is the matching slice of the original parameter
     rp = dict(ref.named_parameters())
     out["slices_match"] = all(
-        torch.equal(p.detach(), rp[n].detach()[slice(*param_info(p).rows)])
-        and torch.equal(p.detach().flatten(),
+        torch.equal(rows(p).detach(), rp[n].detach()[slice(*param_info(p).rows)])
+        and torch.equal(rows(p).detach().flatten(),
                         rp[n].detach().flatten()[slice(*param_info(p).local_range)])
         for n, p in m.named_parameters())
     sharded = dict(m.named_parameters())
@@ -191,7 +194,7 @@ def _semantics(rank, world):
     with torch.no_grad():
         out["eval_equal"] = torch.allclose(m(x), ref(x), atol=1e-6)
     out["sharded_after_eval"] = all(
-        p is q and p.shape[0] == param_info(p).rows[1] - param_info(p).rows[0]
+        p is q and rows(p).shape[0] == param_info(p).rows[1] - param_info(p).rows[0]
         for p, q in zip(m.parameters(), sharded.values()))
     # a ProcessGroup as the mesh: the same as the default mesh over the same ranks
     torch.manual_seed(1)
@@ -202,7 +205,7 @@ def _semantics(rank, world):
     a(x).sum().backward()
     b(x).sum().backward()
     out["process_group_mesh"] = all(
-        (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+        (p.grad is None and q.grad is None) or torch.equal(rows(p.grad), rows(q.grad))
         for p, q in zip(a.parameters(), b.parameters()))
     return out
 

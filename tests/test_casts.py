@@ -20,12 +20,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fsdp_compose import (MixedPrecisionPolicy, fully_shard, get_state_dict, param_info,
                           record_schedule)
 
 from . import _support
-from ._support import Scenarios, call_by_name, compare_with_reference, shard
+from ._support import Scenarios, call_by_name, compare_with_reference, rows, shard
 
 ROWS = 8  # global batch, divisible by every world size
 
@@ -170,7 +171,8 @@ def mp_policy_keeps_compute_dtype(rank, world):
         if p.grad is None:  # (empty where this rank holds no rows of it)
             bad.append(f"{param_info(p).fqn} grad is None")
             continue
-        if not torch.allclose(p.grad, r.grad.double().reshape(-1)[a:b].view_as(p.grad),
+        g = rows(p.grad)
+        if not torch.allclose(g, r.grad.double().reshape(-1)[a:b].view_as(g),
                               rtol=2e-2, atol=2e-2):
             bad.append(f"{param_info(p).fqn} grad differs")
     return bad
@@ -203,9 +205,10 @@ def mp_model_cast_to_param_dtype(rank, world):
         if p.grad is None:  # (empty where this rank holds no rows of it)
             bad.append(f"{param_info(p).fqn} grad is None")
             continue
-        want = r.grad.reshape(-1)[a:b].to(torch.bfloat16).view_as(p.grad)
-        if p.grad.dtype != torch.bfloat16 or not torch.allclose(p.grad.float(), want.float(),
-                                                                rtol=1e-2, atol=1e-2):
+        g = rows(p.grad)
+        want = r.grad.reshape(-1)[a:b].to(torch.bfloat16).view_as(g)
+        if g.dtype != torch.bfloat16 or not torch.allclose(g.float(), want.float(),
+                                                           rtol=1e-2, atol=1e-2):
             bad.append(f"{param_info(p).fqn} grad {p.grad.dtype} differs")
     m.zero_grad()
     m.float()
@@ -230,16 +233,22 @@ def to_empty_after_meta(rank, world):
 
 
 def overwrite_on_conversion(rank, world):
-    """torch.__future__ overwrite: _apply puts new Parameters in the slots."""
+    """torch.__future__ overwrite: _apply puts new Parameters in the slots;
+    but it swaps the contents of DTensor Parameters (the sharded ones above
+    world size 1), keeping the objects, whatever the flag."""
     m, ref = built(6)
     old = list(m.parameters())
+    swapped = [isinstance(p, DTensor) for p in old]
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
         m.double()
         ref.double()
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
-    bad = [] if all(p is not o for p, o in zip(m.parameters(), old)) else ["objects kept"]
+    kept = [p is o for p, o in zip(m.parameters(), old)]
+    bad = [] if kept == swapped else [f"objects kept {kept}, expected {swapped}"]
+    if any(swapped) != (world > 1):
+        bad.append(f"DTensor parameters {swapped} at world size {world}")
     bad += train(m, ref, range(3), rank, world, torch.float64, 1e-10)
     return bad
 
@@ -268,10 +277,10 @@ def no_op_moves(rank, world):
     """.cpu(), .to('cpu'), .float() on an fp32 CPU model change nothing."""
     m, ref = built(8)
     bad = train(m, ref, range(1), rank, world, torch.float32, 1e-5)
-    ptrs = [p.untyped_storage().data_ptr() for p in m.parameters()]
+    ptrs = [rows(p).untyped_storage().data_ptr() for p in m.parameters()]
     ids = [id(p) for p in m.parameters()]
     m.cpu().to("cpu").float().to(torch.device("cpu"), torch.float32)
-    if [p.untyped_storage().data_ptr() for p in m.parameters()] != ptrs or \
+    if [rows(p).untyped_storage().data_ptr() for p in m.parameters()] != ptrs or \
             [id(p) for p in m.parameters()] != ids:
         bad.append("a no-op move re-made the shards")
     bad += train(m, ref, range(1, 3), rank, world, torch.float32, 1e-5)

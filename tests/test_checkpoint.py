@@ -36,6 +36,7 @@ from fsdp_compose import comm_stats, fully_shard, get_state_dict, reset_comm_sta
 
 from ._checkpoint_net import Net, make_optim, ours_fresh, shard_fsdp2, shard_ours, train
 from ._dist import run_distributed
+from ._support import rows
 
 SAVE_AT, STEPS = 3, 6
 RTOL, ATOL = 1e-5, 1e-6
@@ -53,12 +54,13 @@ def reference(steps) -> tuple[Net, torch.optim.Optimizer, list[float]]:
 
 
 def local_snapshot(model, opt) -> dict:
-    """This rank's parameter shards and optimizer state, by FQN (exact copies)."""
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    """This rank's parameter shards and optimizer state, by FQN (exact copies
+    of the local tensors: this rank's rows)."""
+    params = {n: rows(p).detach().clone() for n, p in model.named_parameters()}
     state = {}
     for n, p in model.named_parameters():
         for k, v in opt.state.get(p, {}).items():
-            state[f"{n}/{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+            state[f"{n}/{k}"] = rows(v).clone() if isinstance(v, torch.Tensor) else v
     return {"params": params, "state": state}
 
 
@@ -178,13 +180,14 @@ def _save_run(rank, world, root):
     model, opt = ours_fresh(0)
     out["losses_before"] = train(model, opt, range(SAVE_AT), rank, world)
 
-    # model.state_dict(): FSDP2's form, one all-gather per sharded parameter
+    # model.state_dict(): FSDP2's form; the values are the parameters (RowParam
+    # DTensors over our rows): no collective
     with count_collectives() as sharded_counts:
         sd = model.state_dict()
     out["sharded_counts"] = sharded_counts
     out["sd_dtensors"] = sum(isinstance(v, DTensor) for v in sd.values())
     msd, osd = get_state_dict(model, opt)
-    out["form_vs_fsdp2"] = _form_vs_fsdp2(msd, osd, rank, world)
+    out["form_vs_fsdp2"] = _form_vs_fsdp2(model, msd, osd, rank, world)
     with count_collectives() as full_counts:  # the counters do see collectives
         full_msd, full_osd = get_state_dict(model, opt, full_state_dict=True)
         dist.barrier()  # (ours go through our own handle on torch's function)
@@ -237,28 +240,54 @@ def _save_run(rank, world, root):
 
 
 def _form(v) -> tuple:
+    """Type, global shape, placements (our RowShard == Shard(0)), mesh, dtype;
+    not the local shape: our rows are not torch.chunk's."""
     if isinstance(v, DTensor):
         return ("DTensor", tuple(v.shape), tuple(v.placements), tuple(v.device_mesh.shape),
-                tuple(v.to_local().shape), v.dtype)
+                v.dtype)
     return (type(v).__name__, tuple(v.shape) if isinstance(v, torch.Tensor) else None)
 
 
-def _form_vs_fsdp2(msd, osd, rank, world) -> list[str]:
-    """Each value's type, global shape, placements, mesh and local shape against
-    torch FSDP2's state dicts of the same model (trained the same steps)."""
+def _value_vs_fsdp2(what: str, got, want, rows_here: tuple) -> list[str]:
+    """A DTensor value (``want``: FSDP2's): ours holds the same full value, and
+    its local tensor is this rank's rows ``rows_here`` of it (collectives:
+    every rank calls this for the same keys)."""
+    if not isinstance(want, DTensor) or not isinstance(got, DTensor):
+        return []  # (a form that differs is reported by _form)
+    full, want_full = got.full_tensor(), want.full_tensor()
+    bad = [] if torch.allclose(full, want_full, rtol=RTOL, atol=ATOL) else [f"{what}: full value"]
+    a, b = rows_here
+    if not torch.equal(got.to_local(), full[a:b]):
+        bad.append(f"{what}: local tensor {tuple(got.to_local().shape)} is not rows {rows_here}")
+    return bad
+
+
+def _form_vs_fsdp2(model, msd, osd, rank, world) -> list[str]:
+    """Each value's type, global shape, placements, mesh and dtype against torch
+    FSDP2's state dicts of the same model (trained the same steps); each DTensor's
+    full value against FSDP2's, its local tensor this rank's rows."""
     torch.manual_seed(0)
     f2 = shard_fsdp2(Net())
     f2_opt = make_optim(f2)
     train(f2, f2_opt, range(SAVE_AT), rank, world)
     want_msd, want_osd = torch_dsd().get_state_dict(f2, f2_opt)
+
+    def rows_of(fqn):
+        return fsdp_compose.param_info(model.get_parameter(fqn)).rows
+
     bad = [f"model keys {list(msd)} != {list(want_msd)}"] if list(msd) != list(want_msd) else []
     bad += [f"model {k}: {_form(msd.get(k))} != {_form(v)}" for k, v in want_msd.items()
             if _form(msd.get(k)) != _form(v)]
+    for k, v in want_msd.items():
+        if isinstance(v, DTensor):
+            bad += _value_vs_fsdp2(f"model {k}", msd.get(k), v, rows_of(k))
     for fqn, st in want_osd["state"].items():
         for k, v in st.items():
             got = osd["state"].get(fqn, {}).get(k)
             if _form(got) != _form(v):
                 bad.append(f"optim {fqn} {k}: {_form(got)} != {_form(v)}")
+            if isinstance(v, DTensor):
+                bad += _value_vs_fsdp2(f"optim {fqn} {k}", got, v, rows_of(fqn))
     return bad
 
 
@@ -448,12 +477,14 @@ def _close(a, b) -> bool:
 # -------------------------------------------------------------------- tests
 def test_state_dicts_take_fsdp2s_form(runs):
     for r in runs[2]:
-        # at most one all-to-all per sharded parameter (none where our rows are
-        # FSDP2's chunk already); nothing for the buffer
+        # the values are the sharded parameters themselves (RowParam DTensors
+        # over our rows): no collective at all (no all-to-all to torch.chunk's
+        # split any more); the full state dict gathers
         assert r["sd_dtensors"] > 0
-        assert 0 < r["sharded_counts"]["ours"] <= r["sd_dtensors"], r["sharded_counts"]
+        assert r["sharded_counts"] == {"ours": 0, "dispatcher": 0, "python": 0}, \
+            r["sharded_counts"]
         assert all(v > 0 for v in r["full_counts"].values()), r["full_counts"]
-        assert r["sd_types"] == ["DTensor", "Tensor"]  # parameters; the buffer
+        assert r["sd_types"] == ["RowParam", "Tensor"]  # parameters; the buffer
         assert r["sd_keys"]
         assert r["form_vs_fsdp2"] == []
 

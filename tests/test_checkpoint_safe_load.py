@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from ._checkpoint_net import Net, make_optim, ours_fresh, shard_ours, train
 from ._dist import run_distributed
-from ._support import OnFirstUse
+from ._support import OnFirstUse, rows
 
 TIMEOUT = 120
 BAD = ["truncated", "flipped", "missing_file", "shape", "dtype", "no_optim"]
@@ -92,12 +92,13 @@ def _maybe_skip_verify():
 
 
 def _snapshot(model, opt) -> dict:
-    """Exact copies of everything a load may change on this rank."""
-    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    """Exact copies of everything a load may change on this rank (of a sharded
+    parameter and its state: this rank's rows, compared without a collective)."""
+    out = {f"param {n}": rows(p).detach().clone() for n, p in model.named_parameters()}
     out.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
     for n, p in model.named_parameters():
         for k, v in opt.state.get(p, {}).items():
-            out[f"state {n} {k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+            out[f"state {n} {k}"] = rows(v).clone() if isinstance(v, torch.Tensor) else v
     for i, g in enumerate(opt.param_groups):
         for k, v in g.items():
             if k != "params":

@@ -21,7 +21,7 @@ from fsdp_compose import fully_shard
 
 from ._checkpoint_net import V, Net, batch, shard_fsdp2, shard_ours, train
 from ._dist import run_distributed
-from ._support import OnFirstUse, OptimizerContainer
+from ._support import OnFirstUse, OptimizerContainer, rows
 
 TIMEOUT = 120
 
@@ -42,7 +42,7 @@ def _grads_full(model) -> dict:
         hit = fsdp_compose._registry.SHARDED.get(p)
         if hit is not None:  # (every rank gathers: a rank holding no rows may have no grad)
             out[n] = fsdp_compose._checkpoint.gather_entry(
-                hit[0], hit[1], g if g is not None else torch.zeros_like(p))
+                hit[0], hit[1], g if g is not None else torch.zeros_like(rows(p)))
         elif g is not None:
             out[n] = g
     return out
@@ -180,7 +180,8 @@ def _run(rank, world):
         meta = Net()
     shard_ours(meta)
     msd = meta.state_dict()
-    out["meta_sd"] = sorted({(type(v).__name__, v.device.type) for v in msd.values()})
+    out["meta_sd"] = sorted({("DTensor" if isinstance(v, DTensor) else type(v).__name__,
+                              v.device.type) for v in msd.values()})
     from torch.distributed.tensor import distribute_tensor
     sharded = {}
     for k, v in msd.items():
