@@ -544,7 +544,7 @@ def _write_piece(optims, p, key, value: DTensor) -> torch.Tensor:
     if bad:  # (the shapes were checked by DCP: not expected)
         raise RuntimeError(f"fsdp_compose [rank {_rank()}] '{e.fqn}' optimizer state "
                            f"'{key}': {bad}")
-    return dst if e.row is None else row_param(dst, e.row)  # type: ignore[return-value]
+    return dst if e.row is None else row_param(dst, e.row)  # type: ignore[return-value,arg-type]
 
 
 def _check_loadable(model: nn.Module) -> None:

@@ -173,7 +173,7 @@ class Unit:
                 if id(m) in prefix:
                     e.fqn = f"{prefix[id(m)]}.{attr}" if prefix[id(m)] else attr
                     if e.row is not None:  # (a RowParam names itself in its errors)
-                        e.sharded._fsdp_name = e.fqn
+                        e.sharded._fsdp_name = e.fqn  # type: ignore[attr-defined]
 
     def set_root(self, ctx: "RootContext | None") -> None:
         """Made part of a root's units by lazy init; None: lazy init again at
