@@ -414,3 +414,36 @@ def test_step_with_a_closure_trains_as_the_unsharded_model():
         for ours, ref in r["losses"]:
             assert ours == pytest.approx(ref, rel=1e-5)
         assert r["params"] and r["state"] == ["exp_avg", "exp_avg_sq", "step"], r
+
+
+def _held_grad_worker(rank: int, ws: int) -> dict:
+    """A gradient the user keeps across ``zero_grad`` keeps its values: the
+    RowParam gradient wrapper is reused only when nothing else holds it."""
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = model[0].weight
+    model(torch.randn(4, 5)).pow(2).sum().backward()
+    kept = w.grad
+    values = kept.to_local().clone()
+    kept_full = kept.full_tensor()
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(4, 5) * 3).pow(2).sum().backward()
+    new = w.grad
+    out = {"kept_intact": torch.equal(kept.to_local(), values), "new_object": new is not kept,
+           "new_differs": not torch.equal(new.full_tensor(), kept_full)}
+    del kept, new
+    opt.zero_grad()
+    model(torch.randn(4, 5)).pow(2).sum().backward()
+    out["still_a_rowparam"] = type(w.grad).__name__
+    return out
+
+
+def test_a_gradient_kept_across_zero_grad_keeps_its_values():
+    for r in run_distributed(_held_grad_worker, 2, timeout=120):
+        assert r == {"kept_intact": True, "new_object": True, "new_differs": True,
+                     "still_a_rowparam": "RowParam"}, r
