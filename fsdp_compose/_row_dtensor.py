@@ -232,12 +232,16 @@ def _uneven_operand(args, kwargs) -> bool:
                for t in tree_leaves((args, kwargs)))
 
 
-def _whole(args, kwargs):
-    def rep(d):
-        if isinstance(d, RowParam):
-            return DTensor.redistribute(d, d._spec.mesh, [Replicate()])
-        return d
-    return tree_map_only(RowParam, rep, (args, kwargs))
+def _on_whole(func, args, kwargs):
+    """``func`` on the whole tensors (each DTensor operand gathered), its
+    tensor results replicated DTensors on the first RowParam's mesh: right
+    for any op, on every torch (2.11's DTensor has no ``flip``), alike on
+    every rank."""
+    mesh = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, RowParam))._spec.mesh
+    whole = tree_map_only(DTensor, lambda d: DTensor.full_tensor(d), (args, kwargs))
+    out = func(*whole[0], **whole[1])
+    return tree_map_only(torch.Tensor, lambda t: DTensor.from_local(
+        t, mesh, [Replicate()], run_check=False), out)
 
 
 def _split_of(d: DTensor):
@@ -342,8 +346,7 @@ class RowParam(DTensor):
                         isinstance(t, RowParam)
                         and getattr(t._spec.placements[0], "has_empty", False)
                         for t in tree_leaves((args, kwargs)))):
-                wargs, wkwargs = _whole(args, kwargs)
-                return func(*wargs, **wkwargs)
+                return _on_whole(func, args, kwargs)
             if name in _VIEWS and args and isinstance(args[0], RowParam) and args[0].dim() > 0:
                 pl = args[0]._spec.placements[0]
                 if isinstance(pl, RowShard) and not pl.is_chunked():
