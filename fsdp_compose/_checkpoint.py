@@ -251,14 +251,12 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
                     and value.device_mesh == g.mesh:
                 dst.copy_(value._local_tensor.reshape(-1))
                 return None
-            value = value.full_tensor()  # another split: through the whole tensor
-            tp = (e.tp.shape, _tp_origin(e)) if e.tp is not None else None
-            return load_into(e.shape, e.local_range, value, dst, tp=tp)
-        if (e.tp is not None and value.device_mesh == e.tp.mesh
-                and tuple(value.placements) == tuple(e.tp.placements)):
+            # another split: through the whole tensor, below
+        elif (e.tp is not None and value.device_mesh == e.tp.mesh
+                and placed == tuple(e.tp.placements)):
             return load_into(e.shape, e.local_range, value.to_local(), dst)
-        if (e.tp is None and e.shape and value.device_mesh == g.mesh
-                and tuple(value.placements) == _placements(g)):
+        elif (e.tp is None and e.shape and value.device_mesh == g.mesh
+                and placed == _placements(g)):
             local = value.to_local()
             if local.dtype == dst.dtype and local.device == dst.device and dst.is_contiguous():
                 redistribute(g, e, local, _chunks(g, e), rank_rows(g, e), out=dst)
@@ -853,7 +851,7 @@ def _local_state(fqn: str, key: str, v: Any, p: torch.Tensor, hit,
     if not (isinstance(v, DTensor) or full):
         return v
     dtype = v.dtype
-    live = local_of(live) if isinstance(live, torch.Tensor) else live
+    live = local_of(live)
     if (isinstance(live, torch.Tensor) and not isinstance(live, DTensor)
             and tuple(live.shape) == shape and live.dtype == dtype and live.device == p.device
             and live.is_contiguous()):

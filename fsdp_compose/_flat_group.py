@@ -54,6 +54,7 @@ from . import _collectives, _layout
 from ._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._grad_path import GradientPath
 from ._param_entry import ParamEntry, make_entries, user_attrs
+from ._row_dtensor import local_of
 from ._streams import Pending, StreamManager
 
 # which collective a unit waits for, in a DivergenceError (see _divergence.py)
@@ -287,7 +288,7 @@ class FlatGroup:
             p = params[i]
             with torch.no_grad():
                 if not meta and not p.is_meta and e.shard_range[1] > e.shard_range[0]:
-                    shard[slice(*e.shard_range)].copy_(e.rows_of(p).detach().reshape(-1))
+                    shard[slice(*e.shard_range)].copy_(local_of(p).detach().reshape(-1))
                 e.set_data(p, e.piece(shard))
                 if e.row is not None:  # (lost where nn.Module._apply swapped its contents)
                     p._fsdp_name = e.fqn

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from ._common import Gather, Kept, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
+from ._row_dtensor import local_of
 from ._unit import Unit
 
 
@@ -408,7 +409,7 @@ def _before_apply(units: list[Unit]) -> None:
 def _changed(g: FlatGroup, e, p: torch.Tensor) -> bool:
     if p is not e.sharded or p.dtype != g.dtype or p.device != g.shard.device:
         return True
-    local = e.rows_of(p)  # (a RowParam's storage is its local tensor's)
+    local = local_of(p)  # (a RowParam's storage is its local tensor's)
     return (not p.is_meta and local.untyped_storage().data_ptr()
             != g.shard.untyped_storage().data_ptr())
 

@@ -53,7 +53,7 @@ from ._checkpoint import (_as_list, _keyed_params, _load_entry, _optim_load_dict
                           _units, get_state_dict, optim_state_from_dtensors, shapes_only)
 from ._common import META_FIX, TrainingState, rank as _rank, unit_error
 from ._registry import SHARDED, state_dict_slots
-from ._row_dtensor import row_param
+from ._row_dtensor import local_of, row_param
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
 
@@ -535,9 +535,9 @@ def _write_piece(optims, p, key, value: DTensor) -> torch.Tensor:
     and dtype exists (else into a new one); returns it. A collective (the
     conversion's all-to-all, or ``full_tensor()`` for other placements)."""
     g, e = SHARDED.get(p)
-    shape = e.rows_of(p).shape  # this rank's rows (a RowParam's local tensor)
+    shape = local_of(p).shape  # this rank's rows (a RowParam's local tensor)
     live = next((o.state[p].get(key) for o in optims if p in o.state), None)
-    live = e.rows_of(live) if isinstance(live, torch.Tensor) else live
+    live = local_of(live)
     dst = live if _writable(live, shape, value.dtype) else torch.empty(
         shape, dtype=value.dtype, device=p.device)
     bad = _load_entry(g, e, value, dst.view(-1))  # type: ignore[union-attr]

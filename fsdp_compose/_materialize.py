@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ._checkpoint import _units
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, state_dict_slots
+from ._row_dtensor import local_of
 from ._common import default_device
 from ._common import rank as _rank
 
@@ -138,7 +139,7 @@ def materialize(model: nn.Module, *, device: torch.device | str | None = None,
                 if e is not None:
                     a, b = e.local_range
                     with torch.no_grad():
-                        e.rows_of(e.sharded).detach().view(-1).copy_(t.reshape(-1)[a:b])
+                        local_of(e.sharded).detach().view(-1).copy_(t.reshape(-1)[a:b])
                     done.add(id(e))
         finally:
             for name, e, _t, _scratch in pieces:

@@ -114,22 +114,11 @@ class ParamEntry:
         return p
 
     def set_data(self, p: torch.Tensor, local: torch.Tensor) -> None:
-        """Parameter ``p`` (kept as the object) becomes a view of ``local``.
-        For a RowParam, ``p.data = ...`` changes the wrapper's dtype and
-        device but not the local tensor and spec DTensor keeps in Python
-        attributes: those are set too."""
-        if self.row is None or not isinstance(p, RowParam):
-            p.data = local
-            return
-        new = row_param(local, self.row)
-        p.data = new
-        with _NO_SUBCLASS_FN():
-            p._local_tensor = new._local_tensor
-            p._spec = new._spec
-
-    def rows_of(self, p: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the sharded Parameter (or of a tensor shaped like it)."""
-        return local_of(p)
+        """Parameter ``p`` (kept as the object) becomes a view of ``local``
+        (on a RowParam, ``p.data =`` also takes the new local tensor and spec:
+        ``_row_dtensor._set_data``)."""
+        p.data = local if self.row is None or not isinstance(p, RowParam) \
+            else row_param(local, self.row)
 
     @property
     def numel(self) -> int:

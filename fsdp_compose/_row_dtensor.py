@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 from bisect import bisect_right
-from typing import Any, Sequence
+from typing import Any, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -188,17 +188,6 @@ class RowShard(Shard):
 
 # ---------------------------------------------------------------- RowParam
 
-# Calls that neither compute on the values nor make a DTensor we must check.
-_PASS = frozenset({
-    "__get__", "__set__", "detach", "detach_", "requires_grad_", "size", "dim", "numel",
-    "stride", "__repr__", "__format__", "is_contiguous", "data_ptr", "untyped_storage",
-    "element_size", "register_hook", "register_post_accumulate_grad_hook", "__setstate__",
-    "to_local", "full_tensor", "redistribute", "__len__", "__hash__",
-    "__eq__", "_is_view", "is_floating_point", "is_complex", "get_device", "nelement",
-    "ndimension", "type", "__bool__", "__dir__",
-})
-
-
 # Calls that read metadata only: no DTensor dispatch, nothing cached
 _NO_DISPATCH = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "stride", "__repr__", "__format__",
@@ -206,6 +195,13 @@ _NO_DISPATCH = frozenset({
     "register_post_accumulate_grad_hook", "__setstate__", "__len__", "__hash__",
     "_is_view", "is_floating_point", "is_complex", "get_device", "nelement", "ndimension",
     "__dir__",
+})
+
+# Calls that dispatch but whose result does not depend on the split: run as
+# they are (``detach``, ``redistribute`` and in-place ones keep the split)
+_PASS = frozenset({
+    "detach", "detach_", "requires_grad_", "to_local", "full_tensor", "redistribute",
+    "__eq__", "type", "__bool__",
 })
 
 
@@ -334,8 +330,6 @@ class RowParam(DTensor):
         with torch._C.DisableTorchFunctionSubclass():
             if name in _PASS:
                 out = func(*args, **kwargs)
-                if name == "__set__" and getattr(func, "__self__", None) is _DATA:
-                    _set_data(*args)
                 if name in ("detach", "redistribute") or name.endswith("_"):
                     return _rewrap(out, args, name, check=False)
                 return out
@@ -587,8 +581,15 @@ def row_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = Fals
         return RowParam(local, spec, requires_grad=requires_grad)
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a RowParam (the object it holds); others unchanged."""
+@overload
+def local_of(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local_of(t: Any) -> Any: ...
+
+
+def local_of(t):
+    """This rank's rows of a RowParam (the object it holds); anything else
+    (a plain tensor, None) unchanged."""
     return t._local_tensor if isinstance(t, RowParam) else t
 
 

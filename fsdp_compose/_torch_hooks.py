@@ -62,6 +62,7 @@ from ._common import rank as _rank, unit_error
 from ._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
                            KINDS as _KINDS, optimizer_kind, steps_empty_pieces)
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
+from ._row_dtensor import RowParam
 
 
 def declare_optimizer(cls: type, kind: str) -> None:
@@ -280,14 +281,16 @@ def _any_sharded(params) -> bool:
     return any(p in SHARDED for p in params)
 
 
+def _split_hit(p):
+    """(group, entry) of ``p`` if its gradient is spread over ranks (a local
+    norm or inf check sees part of it); else None."""
+    hit = SHARDED.get(p)
+    return hit if hit is not None and (hit[0].world > 1 or hit[1].tp is not None) else None
+
+
 def _first_split(params):
-    """(group, entry) of the first parameter whose gradient is spread over
-    ranks (a local norm or inf check sees part of it); None if none is."""
-    for p in params:
-        hit = SHARDED.get(p)
-        if hit is not None and (hit[0].world > 1 or hit[1].tp is not None):
-            return hit
-    return None
+    """The first of ``params``' ``_split_hit``s; None if none is split."""
+    return next((hit for p in params if (hit := _split_hit(p)) is not None), None)
 
 
 def _any_split(params) -> bool:
@@ -302,11 +305,10 @@ def _first_unchecked_split(params):
     with it the flags of the plain gradients of the same dtype and device in
     that call (a 0-d parameter's piece). HSDP and TP-in-unit pieces stay
     rank-local."""
-    from ._row_dtensor import RowParam
     checked = {(p.dtype, p.device) for p in params if isinstance(p, RowParam)}
     for p in params:
-        hit = SHARDED.get(p)
-        if hit is None or not (hit[0].world > 1 or hit[1].tp is not None):
+        hit = _split_hit(p)
+        if hit is None:
             continue
         g, e = hit
         if e.row is not None:
