@@ -315,8 +315,19 @@ class RowParam(DTensor):
         if name in _NO_DISPATCH:
             with torch._C.DisableTorchFunctionSubclass():
                 out = func(*args, **kwargs)
-                if name == "__set__" and getattr(func, "__self__", None) is _DATA:
-                    _set_data(*args)
+                if name == "__set__":
+                    what = getattr(func, "__self__", None)
+                    if what is _DATA:
+                        _set_data(*args)
+                    elif what is _GRAD:
+                        mirror_grad(*args)
+                elif (name == "__get__" and isinstance(out, DTensor)
+                      and not isinstance(out, RowParam)
+                      and getattr(func, "__self__", None) is _DATA):
+                    # (``p.data`` is a plain DTensor of our spec: DTensor's own
+                    # ops on it would describe their results with torch.chunk's
+                    # split, silently, e.g. ``p.data.clone()``)
+                    out = _rewrap(out, args, name, check=False)
                 return out
         try:
             return cls._guarded(func, name, args, kwargs)
@@ -358,14 +369,45 @@ class RowParam(DTensor):
 
 
 _DATA = torch._C.TensorBase.data  # ``p.data = x`` calls its ``__set__``
+_GRAD = torch._C.TensorBase.grad  # ``p.grad = g`` calls its ``__set__``
+
+# How many times ``p.grad = g`` gave a RowParam a gradient whose local tensor
+# cannot be its local tensor's ``.grad`` (another placement, shape or dtype):
+# the optimizer's swap then sets every gradient itself (_local_step.py).
+grad_unmirrored = 0
+
+
+def mirror_grad(p, g) -> None:
+    """After ``p.grad = g`` on a RowParam: its local tensor's ``.grad`` is
+    ``g``'s local tensor (the same rows, no memory of its own), so that the
+    optimizer's local-tensor step (_local_step.py) finds it there without a
+    per-parameter loop, and ``None`` when ``g`` is (``zero_grad``)."""
+    global grad_unmirrored
+    if not isinstance(p, RowParam):
+        return
+    lt = p._local_tensor
+    lg = g._local_tensor if isinstance(g, RowParam) else g
+    if lg is None or (type(lg) is torch.Tensor and lg.shape == lt.shape
+                      and lg.dtype == lt.dtype and lg.device == lt.device):
+        lt.grad = lg
+    else:
+        lt.grad = None
+        grad_unmirrored += 1
+
+
+# Bumped whenever ``p.data =`` gives a RowParam another local tensor: the
+# optimizer's cached local-tensor swap (_local_step.py) is rebuilt then.
+data_epoch = 0
 
 
 def _set_data(p, x) -> None:
     """``p.data = x`` set the wrapper's metadata only: a DTensor's local
     tensor and spec are Python attributes, taken from ``x`` here (else ``p``
     would silently keep its old rows)."""
+    global data_epoch
     if isinstance(p, DTensor) and isinstance(x, DTensor):
         p._local_tensor, p._spec = x._local_tensor, x._spec
+        data_epoch += 1
 
 
 # Views and reshapes: allowed where the result keeps the rows as its dim 0

@@ -119,6 +119,9 @@ def _worker(rank: int, ws: int) -> dict:
                  tuple(p.shape), p.placements == (Shard(0),), type(p.placements[0]).__name__)
     # ---- data movement
     out["full_tensor"] = torch.equal(p.full_tensor(), full)
+    # p.data is ours too: DTensor's own ops on a plain DTensor carrying our
+    # placement would give results of torch.chunk's split
+    out["data"] = (type(p.data).__name__, torch.equal(p.data.clone().full_tensor(), full))
     out["replicate"] = torch.equal(p.redistribute(mesh, [Replicate()]).to_local(), full)
     s1 = p.redistribute(mesh, [Shard(1)])
     out["shard1"] = torch.equal(s1.full_tensor(), full)
@@ -301,6 +304,7 @@ def test_data_movement_is_right_for_the_uneven_split(got):
         for k in ("full_tensor", "replicate", "shard1", "chunked_after", "partial_to_rows",
                   "replicate_to_rows", "distribute_like_p"):
             assert r[k], (rank, k)
+        assert r["data"] == ("RowParam", True), rank
         a, b = r["rows"]
         # (an empty piece's offset is the end of the dim, as torch gives FSDP2's)
         assert r["dcp_offsets"] == ((b - a, 3), (a if b > a else SHAPE[0], 0)), rank
@@ -447,3 +451,84 @@ def test_a_gradient_kept_across_zero_grad_keeps_its_values():
     for r in run_distributed(_held_grad_worker, 2, timeout=120):
         assert r == {"kept_intact": True, "new_object": True, "new_differs": True,
                      "still_a_rowparam": "RowParam"}, r
+
+
+def _user_changes_worker(rank: int, ws: int) -> dict:
+    """The optimizer's local-tensor swap is built once and reused
+    (``_local_step._Swap``); every change a user can make between steps must
+    still reach the step. The same changes on the unsharded model, every rank
+    the same batch (the averaged gradient is the reference's)."""
+    import copy as _copy
+
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compose import _local_step, fully_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+    model = _copy.deepcopy(ref)
+    fully_shard(model[0])
+    fully_shard(model)
+    opts = [torch.optim.AdamW(model.parameters(), lr=0.05, foreach=True),
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)]
+    ref_opts = [torch.optim.AdamW(ref.parameters(), lr=0.05, foreach=True),
+                torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)]
+    w, rw = model[0].weight, ref[0].weight
+    b, rb = model[2].bias, ref[2].bias
+    saved = None
+    reused = []
+
+    def local(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    for step in range(8):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m in (model, ref):
+            m(x).pow(2).mean().backward()
+        # the changes, made alike on both (the optimizer state, then the step)
+        if step == 2:  # a state entry rebound
+            for o, p in ((opts[0], w), (ref_opts[0], rw)):
+                o.state[p]["exp_avg"] = torch.zeros_like(o.state[p]["exp_avg"])
+        if step == 3:  # a parameter without gradient this step
+            b.grad, rb.grad = None, None
+        if step == 4:  # a parameter's state removed (started afresh)
+            for o, p in ((opts[1], w), (ref_opts[1], rw)):
+                del o.state[p]
+            saved = [_copy.deepcopy(o.state_dict()) for o in (opts[0], ref_opts[0])]
+        if step == 6:  # state loaded back
+            opts[0].load_state_dict(saved[0])
+            ref_opts[0].load_state_dict(saved[1])
+        if step == 7:  # p.data = another tensor (the next forward would refuse it: test_casts)
+            with torch.no_grad():
+                w.data = w.data.clone()
+                rw.data = rw.data.clone()
+        for o, ro in zip(opts, ref_opts):
+            before = _local_step._plans.get(o)
+            o.step()
+            ro.step()
+            reused.append(_local_step._plans.get(o) is before)
+        for m in (model, ref):
+            m.zero_grad()
+    state_eq = all(
+        torch.allclose(local(o.state[p][k]), ro.state[rp][k], atol=1e-6)
+        and isinstance(o.state[p][k], DTensor) == (o.state[p][k].dim() > 0)
+        for o, ro in zip(opts, ref_opts)
+        for p, rp in zip(model.parameters(), ref.parameters()) for k in ro.state[rp])
+    return {"params": all(torch.allclose(p.full_tensor(), q, atol=1e-6)
+                          for p, q in zip(model.parameters(), ref.parameters())),
+            "state": state_eq, "reused": reused,
+            "same_keys": all(sorted(o.state[p]) == sorted(ro.state[rp])
+                             for o, ro in zip(opts, ref_opts)
+                             for p, rp in zip(model.parameters(), ref.parameters()))}
+
+
+def test_optimizer_swap_is_reused_and_sees_every_change_between_steps():
+    for r in run_distributed(_user_changes_worker, 2, timeout=120):
+        assert r["params"] and r["state"] and r["same_keys"], r
+        reused = r["reused"]  # (AdamW, SGD) per step
+        # built at the first step; rebuilt after each change to that optimizer
+        # (2: AdamW's state entry; 4: SGD's removed entry; 6: AdamW loaded;
+        # 7: p.data, both), and after a step that created state (the first)
+        assert reused[2 * 2] is False and reused[4 * 2 + 1] is False, reused
+        assert reused[6 * 2] is False and reused[7 * 2:8 * 2] == [False, False], reused
+        assert reused[5 * 2:5 * 2 + 2] == [True, True], reused
