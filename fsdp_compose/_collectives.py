@@ -419,6 +419,35 @@ def all_reduce(tensor: torch.Tensor, op, group, what: tuple[str, str] | None = N
     tensor.copy_(moved)
 
 
+def reduce_small(tensor: torch.Tensor, op, group, doing: str) -> None:
+    """``tensor`` (a few elements: a norm, a flag) reduced over ``group`` in
+    place, for a call of the user's outside the step (``doing`` names it:
+    clip_grad_norm_).
+
+    Where the wait blocks the CPU (gloo) it is an all-gather and a reduction
+    here, in rank order: gloo pairs the n-th collectives of one kind, so an
+    all-reduce issued on some ranks only would pair with the others' step
+    check (an all-reduce of another size: gloo aborts the process). An
+    all-gather pairs with nothing there; the sliced wait sees the peers in
+    their check and every rank raises a DivergenceError naming ``doing``
+    (_divergence.user_collective). Elsewhere (NCCL) an all-reduce."""
+    device = _group_device(group, tensor.device)
+    if device != tensor.device or device.type != "cpu" or op not in (
+            dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        all_reduce(tensor, op, group)
+        return
+    flat = tensor.detach().reshape(-1).contiguous()
+    out = flat.new_empty(dist.get_world_size(group) * flat.numel())
+    _stats().all_gather_calls += 1
+    _stats().all_gather_bytes += _nbytes(out)
+    _divergence.user_collective(
+        group, lambda: _all_gather_tensor(out, flat, group=group, async_op=True),
+        f"{doing} (an all-gather)", blocks_cpu=True)
+    out = out.view(-1, flat.numel())
+    red = out.sum(0) if op == dist.ReduceOp.SUM else out.amax(0)  # (amax keeps a NaN)
+    tensor.copy_(red.view_as(tensor))
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                input_splits: list[int], group) -> None:
     """``output`` ← from each rank, in rank order, its segment of ``input`` for

@@ -207,12 +207,12 @@ def stopped_here(checks: "StepChecks | None") -> str | None:
     return stopped_pgs.get("*")
 
 
-def peer_record(at: tuple | None = None) -> str | None:
+def peer_record(at: tuple | None = None, doing: str | None = None) -> str | None:
     """A record another rank posted, if any (store round trips per live root):
     one that stopped, one that left a step half-done (see StepChecks.left), or,
     for a rank blocked in the collective ``at`` ((group name, position)), one
     waiting in a step check this rank has not reached, that has not issued
-    ``at`` (see StepChecks.before)."""
+    ``at`` (see StepChecks.before); ``doing`` names ``at`` in that record."""
     store = _store()
     if store is None:
         return None
@@ -231,7 +231,7 @@ def peer_record(at: tuple | None = None) -> str | None:
                         "exception inside its forward or backward)")
         if at is not None:
             for checks in roots:
-                record = checks.waiting_peer(store, at)
+                record = checks.waiting_peer(store, at, doing)
                 if record is not None:
                     return record
     except RuntimeError:
@@ -269,14 +269,15 @@ class CollectiveStopped(DivergenceError):
 RECORD_GRACE = 1.0  # seconds a failed collective waits for a peer's record (see wait)
 
 
-def wait(work, at: tuple | None = None, stuck=None) -> None:
+def wait(work, at: tuple | None = None, stuck=None, doing: str | None = None) -> None:
     """``work.wait()`` for a collective that blocks the CPU (gloo), in slices:
     between slices, read the store for a record of a rank that stopped. A
     work whose slice timed out stays usable (gloo: ``wait(timeout)`` raises,
     the collective goes on). Raises ``CollectiveStopped`` (and posts this
     rank's record) if it failed or another rank stopped. ``at``: the
     collective's (group name, position), see ``peer_record``; ``stuck()`` is
-    called after every slice that went by."""
+    called after every slice that went by; ``doing``: what this rank waits in,
+    for the record its peers read (a user's call: ``user_collective``)."""
     while True:
         try:
             work.wait(SLICE)
@@ -308,10 +309,33 @@ def wait(work, at: tuple | None = None, stuck=None) -> None:
             raise CollectiveStopped(reason) from failure
         if stuck is not None:
             stuck()
-        record = peer_record(at)
+        record = peer_record(at, doing)
         if record is not None:
             stop(f"rank {rank()} stopped: {record}")
             raise CollectiveStopped(record)
+
+
+def user_collective(group, issue: Callable, doing: str, blocks_cpu: bool) -> None:
+    """A collective a user's call issues on one of the model's groups (a
+    sharded parameter's ``full_tensor()``, ``redistribute``...): counted
+    there (``next_op``) and, where it blocks the CPU (gloo), waited for in
+    slices. Called on some ranks only, it meets the others' next step check:
+    a DivergenceError on every rank within a few slices, naming ``doing``,
+    where it would wait for the backend's timeout (30 minutes by default).
+    ``issue()`` issues it with ``async_op=True`` and returns its work."""
+    at = next_op(group)
+    work = issue()
+    if not blocks_cpu:
+        work.wait()
+        return
+    try:
+        wait(work, at, doing=doing)
+    except CollectiveStopped as e:
+        raise DivergenceError(
+            f"fsdp_compose [rank {rank()}]: {doing} waited for a collective that did not "
+            f"complete: {e.reason}. It is a collective over the model's ranks (as a sharded "
+            "parameter's full_tensor() or redistribute() is): call it on every rank alike; "
+            "called on some ranks only, it waits for the others forever.") from e
 
 
 def _first_line(e: BaseException) -> str:
@@ -391,6 +415,7 @@ class StepChecks:
         self.gloo = all(device.type != "cuda" for _, _, device in self.pgs)
         self.issued = 0
         self._began: Callable[[], list] = lambda: []
+        self._describe: Callable[[], list] = lambda: []  # the settings' lines, last check
         self._pending: tuple | None = None  # a step check issued, not compared (settle)
         self.prefix: str | None = None
         self.stopped: str | None = None  # this process's record, if it stopped on this root
@@ -462,12 +487,25 @@ class StepChecks:
             self.backwards += 1
         else:
             self.forwards += 1
-        self._began = lines
+        self._began, self._describe = lines, describe
         if phase == BACKWARD and self.gloo:
             return  # see [Note: one check per step]
         self.issued += 1
         with label("step_check", self.fqn):
             self._issue(vec, lines, defer=True)
+
+    def now(self, doing: str | None = None) -> list[str]:
+        """What this rank began, as of now: the lines of the phase it began
+        last (``before``), unless it is blocked in ``doing`` (a user's
+        collective) or an optimizer step came since; then the live counts."""
+        steps = job().optimizer_steps - self._opt_base
+        if doing is None and steps == self._opt_seen:
+            return self._began()
+        fwd, bwd = (self.forwards, self.backwards) if steps == self._opt_seen else (0, 0)
+        return [f"began {doing or 'no forward or backward since its last optimizer step'}",
+                f"optimizer steps so far: {steps}",
+                f"since the last optimizer step: {fwd} forward(s), {bwd} backward(s) "
+                "of this model"] + self._describe()
 
     def _post_waiting(self, vec: list[int], lines):
         """``stuck()`` for the wait of a step check: after its first slice,
@@ -503,7 +541,7 @@ class StepChecks:
                     pass
         return stuck, take_back
 
-    def waiting_peer(self, store, at: tuple) -> str | None:
+    def waiting_peer(self, store, at: tuple, doing: str | None = None) -> str | None:
         """For a rank blocked in the collective ``at`` ((group name, its
         position there)): a record of a rank of this root that waits in a step
         check this rank has not issued, and has not issued ``at``: it will not
@@ -519,10 +557,11 @@ class StepChecks:
             peer = json.loads(store.get(key))
             if peer["check"] <= self.issued or peer["at"].get(at[0], 0) >= at[1]:
                 continue
-            summary = _summarize(tuple(sorted((me, r))), {r: peer["lines"], me: self._began()})
+            summary = _summarize(tuple(sorted((me, r))), {r: peer["lines"], me: self.now(doing)})
+            mine = f"#{at[1]} on its group" + (f": {doing}, on rank {me} alone" if doing else "")
             record = (f"rank {r} waits in the step check at {PHASES[peer['phase']]} of unit "
                       f"'{self.fqn or '<root>'}' and has not issued the collective this rank "
-                      f"waits for (#{at[1]} on its group): the ranks diverged. What they "
+                      f"waits for ({mine}): the ranks diverged. What they "
                       f"began:\n{summary}\n")
             # Say so, and give the waiting rank a few slices to read it (if this
             # rank exits, the store, hosted by rank 0, may go with it).

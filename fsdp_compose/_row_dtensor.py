@@ -30,6 +30,7 @@ Private torch API used here (signatures identical in 2.11, 2.13, 2.14): the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from bisect import bisect_right
 from typing import Any, Sequence, overload
@@ -49,10 +50,77 @@ __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
 
 # all_gather_single (2.13+); all_gather_tensor on 2.11, deprecated since
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_C10D_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+# The RowParam call in progress (name, args, kwargs), named in the errors of
+# the collectives it issues (set by RowParam.__torch_function__; None: DTensor
+# called ours directly)
+_doing: tuple | None = None
+
+
+@contextlib.contextmanager
+def _calling(name: str, p):
+    global _doing
+    outer = _doing
+    if outer is None:
+        _doing = (name, (p,), {})
+    try:
+        yield
+    finally:
+        _doing = outer
+
+
+def _describe_doing() -> str:
+    if _doing is None:
+        return "a DTensor redistribution of a sharded parameter"
+    name, args, kwargs = _doing
+    names = [t._fsdp_name for t in tree_leaves((args, kwargs))
+             if isinstance(t, RowParam) and t._fsdp_name]
+    return (f"{name}() of sharded parameter '{names[0]}'" if names
+            else f"{name}() of a sharded parameter")
+
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+             "product": dist.ReduceOp.PRODUCT}
+
+
+def _collective(kind: str, mesh, mesh_dim: int, device: torch.device, issue) -> None:
+    """Issue ``issue()`` (a c10d collective, ``async_op=True``, returning its
+    work) on the mesh dim's group as a user's call: on some ranks only, it
+    raises on every rank at the others' next step check instead of waiting
+    for the backend's timeout (_divergence.user_collective)."""
+    from . import _divergence
+    doing = f"{_describe_doing()} ({kind})"
+    _divergence.user_collective(mesh.get_group(mesh_dim), issue, doing,
+                                blocks_cpu=device.type == "cpu")
+
+
+def _gather_rows(padded: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
+    """The mesh dim's ``padded`` pieces, concatenated in coordinate order."""
+    if torch.compiler.is_compiling():
+        return _wait(_ALL_GATHER(padded, gather_dim=0, group=(mesh, mesh_dim)))
+    padded = padded.contiguous()
+    out = padded.new_empty((padded.size(0) * mesh.size(mesh_dim),) + tuple(padded.shape[1:]))
+    # (gloo checks the output as a flat list of the inputs' sizes: dim 0 only, as here)
+    group = mesh.get_group(mesh_dim)
+    _collective("an all-gather", mesh, mesh_dim, padded.device,
+                lambda: _C10D_ALL_GATHER(out, padded, group=group, async_op=True))
+    return out
+
+
+def _all_reduce(tensor: torch.Tensor, reduce_op, mesh, mesh_dim: int) -> torch.Tensor:
+    op = _C10D_OPS.get(reduce_op) if isinstance(reduce_op, str) else None
+    if op is None or torch.compiler.is_compiling():  # (avg and the like: torch's own path)
+        return _wait(funcol.all_reduce(tensor, reduce_op, group=(mesh, mesh_dim)))
+    out = tensor.contiguous().clone()
+    group = mesh.get_group(mesh_dim)
+    _collective("an all-reduce", mesh, mesh_dim, out.device,
+                lambda: dist.all_reduce(out, op=op, group=group, async_op=True))
+    return out
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -152,13 +220,14 @@ class RowShard(Shard):
         full = tensor.contiguous()
         group = mesh.get_group(mesh_dim)
         src = dist.get_global_rank(group, src_data_rank)
-        dist.broadcast(full, src=src, group=group)
+        _collective("a broadcast", mesh, mesh_dim, full.device,
+                    lambda: dist.broadcast(full, src=src, group=group, async_op=True))
         return self._select_split_tensor(full, 0, coord[mesh_dim])
 
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         most = self.largest
         padded = _pad_rows(local_tensor, most)
-        g = _wait(_ALL_GATHER(padded, gather_dim=0, group=(mesh, mesh_dim)))
+        g = _gather_rows(padded, mesh, mesh_dim)
         if all(b - a == most for a, b in zip(self.cuts, self.cuts[1:])):
             return g
         return torch.cat([g.narrow(0, i * most, b - a)
@@ -181,7 +250,7 @@ class RowShard(Shard):
         return full.new_empty(shape)
 
     def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
-        full = _wait(funcol.all_reduce(tensor, reduce_op, group=(mesh, mesh_dim)))
+        full = _all_reduce(tensor, reduce_op, mesh, mesh_dim)
         a, b = self.rows_of(mesh.get_coordinate()[mesh_dim])
         return full.narrow(0, a, b - a).clone()
 
@@ -295,6 +364,16 @@ class RowParam(DTensor):
             return (_rebuild, (self._local_tensor, self._spec, self.requires_grad,
                                bool(self.__dict__.get("_is_param")), extra))
 
+    # DTensor's own methods that may gather (plain Python, no __torch_function__):
+    # named in the error of a collective they issue on some ranks only
+    def full_tensor(self, *args, **kwargs):
+        with _calling("full_tensor", self):
+            return super().full_tensor(*args, **kwargs)
+
+    def redistribute(self, *args, **kwargs):
+        with _calling("redistribute", self):
+            return super().redistribute(*args, **kwargs)
+
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
@@ -329,9 +408,14 @@ class RowParam(DTensor):
                     # split, silently, e.g. ``p.data.clone()``)
                     out = _rewrap(out, args, name, check=False)
                 return out
+        global _doing
+        outer = _doing
+        if outer is None:
+            _doing = (name, args, kwargs)
         try:
             return cls._guarded(func, name, args, kwargs)
         finally:
+            _doing = outer
             # (see _compat.clear_dtensor_dispatch_cache: no cached decision
             # carrying our split may outlive this call)
             _compat.clear_dtensor_dispatch_cache()

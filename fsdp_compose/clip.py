@@ -107,6 +107,9 @@ def _key(p: torch.Tensor) -> tuple:
     return tuple(pg for pg in key if dist.get_world_size(pg) > 1)
 
 
+_DOING = "clip_grad_norm_() / get_total_norm(): the gradient norm"
+
+
 def _global_norm(items: list, norm_type: float, foreach, canonical: bool = False) -> torch.Tensor:
     """The norm of every gradient in ``items`` (``(key, grad or None)``): each
     class of equal keys is reduced over its groups, in the order the classes
@@ -135,7 +138,7 @@ def _global_norm(items: list, norm_type: float, foreach, canonical: bool = False
         else:
             part = part.pow(norm_type)  # a NaN or inf survives the SUM on every rank
             for pg in key:
-                _collectives.all_reduce(part, dist.ReduceOp.SUM, pg)
+                _collectives.reduce_small(part, dist.ReduceOp.SUM, pg, _DOING)
         total = part if total is None else (torch.maximum(total, part) if inf else total + part)
     if total is None:
         total = torch.zeros((), device=device)
@@ -163,5 +166,5 @@ def _all_reduce_max(part: torch.Tensor, groups: tuple) -> torch.Tensor:
         return part
     both = torch.stack([part, torch.isnan(part).to(part.dtype)])
     for pg in groups:
-        _collectives.all_reduce(both, dist.ReduceOp.MAX, pg)
+        _collectives.reduce_small(both, dist.ReduceOp.MAX, pg, _DOING)
     return torch.where(both[1] > 0, torch.full_like(both[0], float("nan")), both[0])

@@ -110,6 +110,19 @@ def _scenario(rank: int, world: int, name: str) -> None:
             if step == 1 and rank == last:
                 model.set_requires_all_reduce(False)
         _train(model, rank, before=before)
+    elif name == "full_tensor_one_rank":  # rank 0 gathers a sharded parameter (logging)
+        model = _model()
+        _train(model, rank, before=lambda s: s == 1 and rank == 0
+               and model[0].weight.full_tensor())
+    elif name == "clip_one_rank":  # rank 0 alone clips its gradients at step 1
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            _loss(model, _batch(rank, step)).backward()
+            if step == 1 and rank == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
     elif name == "shape":
         _train(_model(out=5 if rank == last else 4), rank)
     elif name == "dtype":
@@ -325,9 +338,40 @@ def test_extra_microbatch_on_one_rank(world):
                               "1 backward(s)")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_full_tensor_on_one_rank(world):
+    """A collective of the user's (a sharded parameter's full_tensor()) on
+    rank 0 alone: every rank raises within the limit, naming the call,
+    where it waited for gloo's timeout (30 minutes) before."""
+    _assert_every_rank_raised(_outcomes("full_tensor_one_rank", world),
+                              "full_tensor() of sharded parameter '0.weight' (an all-gather), "
+                              "on rank 0 alone", "step check",
+                              # the facts, as of now: rank 0 is past its first optimizer
+                              # step, as the rank waiting in the check (equal lines are
+                              # not shown)
+                              "rank 0: began full_tensor() of sharded parameter '0.weight'",
+                              ": began a training forward")
+    for o in _outcomes("full_tensor_one_rank", world)[:1]:
+        assert "optimizer steps so far" not in o.message, o.message
+
+
+def test_clip_on_one_rank():
+    """Our clip_grad_norm_'s reduction on rank 0 alone: every rank raises
+    within the limit, naming it (an all-reduce there paired with the other
+    rank's step check: gloo aborted the process)."""
+    _assert_every_rank_raised(_outcomes("clip_one_rank", 2),
+                              "clip_grad_norm_() / get_total_norm(): the gradient norm "
+                              "(an all-gather), on rank 0 alone", "step check",
+                              "rank 0: began clip_grad_norm_()", "rank 1: began a training forward",
+                              "rank 0: optimizer steps so far: 1",
+                              "rank 1: optimizer steps so far: 2",
+                              "rank 0: since the last optimizer step: 1 forward(s), 1 backward(s)",
+                              "rank 1: since the last optimizer step: 0 forward(s), 0 backward(s)")
+
+
 def test_two_forwards_before_backward_on_one_rank():
     _assert_every_rank_raised(_outcomes("two_forwards", 2), "step check",
-                              "began a backward", "began a training forward")
+                              "rank 1: began a backward", "rank 0: began a training forward")
 
 
 def test_gradient_sync_differs():
@@ -368,8 +412,10 @@ def test_uncaught_exception_on_one_rank():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_caught_exception_between_forward_and_backward(world):
+    # (at 4 ranks each blocked rank reports itself beside the waiting one)
     _assert_every_rank_raised(_outcomes("catch_in_loss", world), "step check",
-                              "began a backward", "began a training forward")
+                              "rank 0: began a backward" if world == 2 else ": began a backward",
+                              f"rank {world - 1}: began a training forward")
 
 
 def test_caught_exception_inside_forward():
