@@ -238,7 +238,7 @@ def make_entries(params: list, locals_: list, layout: Layout, rank: int,
     With ``mesh`` (1-D, more than one rank), sharded Parameters that are not
     DTensors and have a dimension become RowParam DTensors on it."""
     base = layout.rank_range(rank)[0]
-    rows_as_dtensors = mesh is not None and mesh.ndim == 1 and layout.world > 1
+    rows_as_dtensors = mesh is not None and mesh.ndim in (1, 2) and layout.world > 1
     entries = []
     for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
         a, b = layout.rows_on(i, rank)

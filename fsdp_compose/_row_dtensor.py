@@ -290,11 +290,26 @@ _REORDER = frozenset({
 })
 
 
+def _rows(spec: DTensorSpec) -> RowShard | None:
+    """The RowShard a spec carries: on its mesh's last dim, the others
+    ``Replicate`` (HSDP's replicas); None for any other placements."""
+    pls = spec.placements
+    pl = pls[-1]
+    if isinstance(pl, RowShard) and all(q.is_replicate() for q in pls[:-1]):
+        return pl
+    return None
+
+
+def _uneven(t) -> bool:
+    """``t`` is a RowParam with a dim whose split is not torch.chunk's."""
+    if not isinstance(t, RowParam) or t.dim() == 0:
+        return False
+    pl = _rows(t._spec)
+    return pl is not None and not pl.is_chunked()
+
+
 def _uneven_operand(args, kwargs) -> bool:
-    return any(isinstance(t, RowParam) and t.dim() > 0
-               and isinstance(t._spec.placements[0], RowShard)
-               and not t._spec.placements[0].is_chunked()
-               for t in tree_leaves((args, kwargs)))
+    return any(_uneven(t) for t in tree_leaves((args, kwargs)))
 
 
 def _on_whole(func, args, kwargs):
@@ -306,19 +321,20 @@ def _on_whole(func, args, kwargs):
     whole = tree_map_only(DTensor, lambda d: DTensor.full_tensor(d), (args, kwargs))
     out = func(*whole[0], **whole[1])
     return tree_map_only(torch.Tensor, lambda t: DTensor.from_local(
-        t, mesh, [Replicate()], run_check=False), out)
+        t, mesh, [Replicate()] * mesh.ndim, run_check=False), out)
 
 
 def _split_of(d: DTensor):
-    """The dim-0 split a 1-D-mesh DTensor claims (cuts), or None."""
+    """The dim-0 split a DTensor claims (cuts) over its mesh's last dim, the
+    others replicated (a 1-D mesh, or HSDP's), or None."""
     spec = d._spec
-    if spec.mesh.ndim != 1 or d.dim() == 0:
+    if d.dim() == 0 or not all(q.is_replicate() for q in spec.placements[:-1]):
         return None
-    pl = spec.placements[0]
+    pl = spec.placements[-1]
     if isinstance(pl, RowShard):
         return pl.cuts
     if type(pl) is Shard and pl.dim == 0:
-        n, w = d.shape[0], spec.mesh.size(0)
+        n, w = d.shape[0], spec.mesh.size(spec.mesh.ndim - 1)
         c = -(-n // w) if n else 0
         return tuple(min(i * c, n) for i in range(w + 1))
     return None
@@ -433,12 +449,11 @@ class RowParam(DTensor):
             if (name in _REORDER and _uneven_operand(args, kwargs)) or (
                     name in _NO_IDENTITY and any(
                         isinstance(t, RowParam)
-                        and getattr(t._spec.placements[0], "has_empty", False)
+                        and getattr(_rows(t._spec), "has_empty", False)
                         for t in tree_leaves((args, kwargs)))):
                 return _on_whole(func, args, kwargs)
             if name in _VIEWS and args and isinstance(args[0], RowParam) and args[0].dim() > 0:
-                pl = args[0]._spec.placements[0]
-                if isinstance(pl, RowShard) and not pl.is_chunked():
+                if _uneven(args[0]):
                     out = _meta_result(func, args, kwargs)
                     if out is not None:
                         if not _keeps_rows(args[0], out):
@@ -554,9 +569,7 @@ def _precheck(op: str, args, kwargs) -> None:
     splits = {s for s in map(_split_of, ds) if s is not None}
     if len(splits) > 1:
         raise _refuse(op, ds, "its operands split dim 0 differently")
-    rows = [d for d in ds if isinstance(d, RowParam) and d.dim() > 0
-            and isinstance(d._spec.placements[0], RowShard)
-            and not d._spec.placements[0].is_chunked()]
+    rows = [d for d in ds if _uneven(d)]
     if not rows:
         return
     # Another DTensor operand that reaches our dim 0: DTensor would cut it by
@@ -622,15 +635,20 @@ def _rewrap(out, args, op: str, check: bool):
     if not ins:
         return out
     ref = ins[0]
-    ref_pl = ref._spec.placements[0]
-    uneven = not (isinstance(ref_pl, RowShard) and ref_pl.is_chunked())
+    ref_pl = _rows(ref._spec)
+    uneven = not (ref_pl is not None and ref_pl.is_chunked())
 
     def fix(o: DTensor):
-        if isinstance(o, RowParam) or o._spec.mesh.ndim != 1:
+        if isinstance(o, RowParam) or o._spec.mesh != ref._spec.mesh:
             return o
-        pl = o._spec.placements[0]
-        if not isinstance(pl, Shard):
+        pls = o._spec.placements
+        pl = pls[-1]
+        if not isinstance(pl, Shard) and not any(isinstance(q, Shard) for q in pls[:-1]):
             return o  # Replicate / Partial: does not depend on the split
+        if not all(q.is_replicate() for q in pls[:-1]):
+            if check and uneven:  # (a Shard on the replicas' dim: not a split of ours)
+                raise _refuse(op, ins, f"the result would be placed {tuple(pls)}")
+            return o
         if pl.dim == 0 and o.dim() > 0 and o.shape[0] == ref.shape[0]:
             # (the input's split, never the output's object: a cached decision
             # may carry another tensor's RowShard)
@@ -655,14 +673,15 @@ def _named(t: RowParam, like: RowParam) -> RowParam:
 def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
     """``dst.copy_(src)``: each rank keeps its rows of ``src`` (a full tensor,
     or a DTensor of any placement: torchtitan's and accelerate's inits)."""
-    pl = dst._spec.placements[0]
-    assert isinstance(pl, RowShard)
+    pl = _rows(dst._spec)
+    assert pl is not None
     coord = dst._spec.mesh.get_coordinate()
-    a, b = pl.rows_of(coord[0] if coord is not None else 0)
+    a, b = pl.rows_of(coord[-1] if coord is not None else 0)
     with torch._C.DisableTorchFunctionSubclass():
         if isinstance(src, DTensor):
-            spl = src._spec.placements
-            if isinstance(spl[0], RowShard) and spl[0] == pl:
+            spl = tuple(src._spec.placements)
+            if spl == tuple(dst._spec.placements) and _rows(src._spec) == pl \
+                    and src._spec.mesh == dst._spec.mesh:
                 dst._local_tensor.copy_(src._local_tensor)
                 return dst
             if not all(p.is_replicate() for p in spl):
@@ -691,8 +710,10 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
 # ------------------------------------------------------------ construction
 
 def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    """Rows split by ``cuts`` over the mesh's last dim; replicated over the
+    others (HSDP's replica dim, as FSDP2 places it: ``(Replicate(), Shard(0))``)."""
     stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(mesh, (RowShard(cuts),),
+    return DTensorSpec(mesh, (Replicate(),) * (mesh.ndim - 1) + (RowShard(cuts),),
                        tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
