@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import _compat
 from ._layout import Layout
-from ._row_dtensor import RowParam, local_of, mirror_grad, row_param, row_spec
+from ._row_dtensor import RowParam, local_of, row_param, row_spec
 
 # RowParam's __torch_function__ skipped for our own per-step reads and writes
 _NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
@@ -152,9 +152,7 @@ class ParamEntry:
                     grad = self._wrap_grad(grad)
                 elif self.ext is not None:
                     grad = self.ext.wrap(grad)
-            self.sharded.grad = grad
-            if self.row is not None:  # (the setter's own mirroring is bypassed here)
-                mirror_grad(self.sharded, grad)
+            self.sharded.grad = grad  # (a RowParam's setter mirrors it: RowParam.grad)
 
     def _wrap_grad(self, rows: torch.Tensor) -> RowParam:
         """``rows`` as a RowParam gradient. The wrapper given last time is
