@@ -95,7 +95,7 @@ class ParamEntry:
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
     ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
     # the sharded Parameter is a RowParam DTensor of this spec (_row_dtensor.py);
-    # None: a plain tensor (one rank, HSDP, TP, 0-d; docs/design.md)
+    # None: a plain tensor (one rank, TP, 0-d; docs/design.md)
     row: DTensorSpec | None = None
     # the RowParam last given as p.grad, reused when nothing else holds it
     _grad_wrapper: object = field(default=None, repr=False, compare=False)
@@ -233,8 +233,9 @@ def _cuts(layout: Layout, i: int) -> tuple:
 def make_entries(params: list, locals_: list, layout: Layout, rank: int,
                  mesh=None) -> list[ParamEntry]:
     """This rank's ParamEntry of every parameter, from the group's layout.
-    With ``mesh`` (1-D, more than one rank), sharded Parameters that are not
-    DTensors and have a dimension become RowParam DTensors on it."""
+    With ``mesh`` (1-D, or HSDP's 2-D; more than one rank on its shard dim),
+    sharded Parameters that are not DTensors and have a dimension become
+    RowParam DTensors on it."""
     base = layout.rank_range(rank)[0]
     rows_as_dtensors = mesh is not None and mesh.ndim in (1, 2) and layout.world > 1
     entries = []

@@ -619,8 +619,8 @@ def _foreach(func, op: str, args, kwargs):
     """A foreach op (``torch._foreach_mul_(grads, c)``, GradScaler's unscale):
     element-wise per list index, so checked and rewrapped per index; the
     lists' tensors (different parameters) may split dim 0 differently. Lists
-    that also hold plain tensors (the grads of 0-d, HSDP parameters, which
-    stay plain), which DTensor refuses, run as two calls: the plain indices,
+    that also hold plain tensors (the grads of 0-d and TP-in-unit parameters,
+    which stay plain), which DTensor refuses, run as two calls: the plain indices,
     then the DTensor ones (GradScaler's check: DTensor's call then reduces
     ``found_inf`` over the mesh, the plain call's flags included)."""
     n = len(args[0])

@@ -37,8 +37,8 @@ norm, ``clip_grads_with_norm_`` (a local scaling) is right as it is.
 rank holds. A RowParam's gradient is a DTensor: torch's check then
 all-reduces ``found_inf`` over its mesh (as under FSDP2), and with it the
 flags of plain gradients in the same call (a 0-d parameter's piece of the
-same dtype and device). Gradients that are still plain row pieces (HSDP,
-tensor-parallel parameters inside units) are checked on this rank's rows
+same dtype and device). Gradients that are still plain row pieces
+(tensor-parallel parameters inside units) are checked on this rank's rows
 alone: an overflow in one rank's rows would make that rank alone skip
 ``optimizer.step()`` and back off its scale, silently (docs/design.md,
 "Loss scaling"). So at the first ``fully_shard`` ``GradScaler.unscale_``
@@ -303,8 +303,8 @@ def _first_unchecked_split(params):
     ``GradScaler`` would keep rank-local; None if none. A RowParam's gradient
     is a DTensor: torch's check all-reduces ``found_inf`` over its mesh, and
     with it the flags of the plain gradients of the same dtype and device in
-    that call (a 0-d parameter's piece). HSDP and TP-in-unit pieces stay
-    rank-local."""
+    that call (a 0-d parameter's piece, outside HSDP). TP-in-unit pieces
+    stay rank-local."""
     checked = {(p.dtype, p.device) for p in params if isinstance(p, RowParam)}
     for p in params:
         hit = _split_hit(p)

@@ -532,3 +532,119 @@ def test_optimizer_swap_is_reused_and_sees_every_change_between_steps():
         assert reused[2 * 2] is False and reused[4 * 2 + 1] is False, reused
         assert reused[6 * 2] is False and reused[7 * 2:8 * 2] == [False, False], reused
         assert reused[5 * 2:5 * 2 + 2] == [True, True], reused
+
+
+def _hsdp_worker(rank: int, ws: int) -> dict:
+    """HSDP's parameters: a (2, 2) mesh, rows split over its last dim,
+    replicated over the first: placements ``(Replicate(), RowShard)``, as
+    FSDP2 shows ``(Replicate(), Shard(0))``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp_compose._local_step import restore, swap_in
+    from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    cuts = SPLITS[2]
+    coord = mesh.get_coordinate()[-1]
+    a, b = cuts[coord], cuts[coord + 1]
+    full = _full()
+    rr = [Replicate(), Replicate()]
+
+    def param(t, name="w"):
+        p = nn.Parameter(row_param(t[a:b].clone(), row_spec(mesh, cuts, t.shape, t.dtype)))
+        p._fsdp_name = name
+        return p
+
+    p = param(full)
+    out: dict = {"is": (type(p).__name__, isinstance(p, DTensor), tuple(p.shape),
+                        p.placements == (Replicate(), Shard(0)),
+                        [type(pl).__name__ for pl in p.placements])}
+    out["full_tensor"] = torch.equal(p.full_tensor(), full)
+    out["replicate"] = torch.equal(p.redistribute(mesh, rr).to_local(), full)
+    out["shard1"] = torch.equal(p.redistribute(mesh, [Replicate(), Shard(1)]).full_tensor(),
+                                full)
+    out["distribute_like_p"] = torch.equal(
+        distribute_tensor(full, mesh, p.placements).full_tensor(), full)
+    ops = {}
+    for name, f in _OPS.items():
+        want = _call(f, full, lambda t: t)
+        try:
+            with torch.no_grad():
+                got = _as_full(_call(f, p, lambda t: distribute_tensor(t, mesh, rr)))
+            ops[name] = ("equal" if torch.allclose(got.to(want.dtype), want, atol=1e-6)
+                         and got.dtype == want.dtype else f"WRONG {got}")
+        except (NotImplementedError, RuntimeError) as e:
+            ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
+    out["ops"] = ops
+    other = RowShard((0, 2, 7))
+    srcs = {"full": full * 2, "replicate": distribute_tensor(full * 3, mesh, rr),
+            "chunked": distribute_tensor(full * 4, mesh, [Replicate(), Shard(0)]),
+            "other_split": DTensor.from_local(
+                (full * 5)[other.cuts[coord]:other.cuts[coord + 1]], mesh, [Replicate(), other],
+                run_check=False, shape=full.shape, stride=full.stride())}
+    copies = {}
+    for k, src in srcs.items():
+        q = param(torch.zeros(SHAPE))
+        with torch.no_grad():
+            q.copy_(src)
+        copies[k] = torch.equal(q.to_local(), _as_full(src)[a:b]) and torch.equal(
+            q.full_tensor(), _as_full(src))
+    out["copy"] = copies
+    dp, lp = param(full), nn.Parameter(full[a:b].clone())
+    do, lo = torch.optim.AdamW([dp], lr=0.1), torch.optim.AdamW([lp], lr=0.1)
+    for step in range(3):
+        g = _full(10 + step)[a:b]
+        dp.grad = row_param(g.clone(), dp._spec)
+        lp.grad = g.clone()
+        assert swap_in(do)
+        try:
+            do.step()
+        finally:
+            restore(do)
+        lo.step()
+    out["optim"] = (torch.equal(dp.to_local(), lp.detach()),
+                    sorted(type(v).__name__ for v in do.state[dp].values()),
+                    all(v.placements == dp.placements for v in do.state[dp].values()
+                        if isinstance(v, DTensor)))
+    cp = param(full)
+    cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)
+    norm = torch_clip([cp], 1.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    ref = nn.Parameter(full.clone())
+    ref.grad = _full(20)
+    out["clip"] = (float(norm), float(torch.nn.utils.clip_grad_norm_([ref], 1.0)),
+                   torch.allclose(cp.grad.full_tensor(), ref.grad, atol=1e-7))
+    path = f"{_tmp_root()}/dcp_hsdp"
+    dcp.save({"w": p}, checkpoint_id=path)
+    into = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Replicate(), Shard(0)]),
+            "o": DTensor.from_local(torch.zeros(other.cuts[coord + 1] - other.cuts[coord], 3),
+                                    mesh, [Replicate(), other], run_check=False,
+                                    shape=full.shape, stride=full.stride())}
+    dcp.load({"w": into["w"]}, checkpoint_id=path)
+    dcp.load({"w": into["o"]}, checkpoint_id=path)
+    out["dcp"] = (torch.equal(into["w"].full_tensor(), full),
+                  torch.equal(into["o"].full_tensor(), full))
+    return out
+
+
+def test_hsdp_parameters_are_replicated_row_dtensors(tmp_path):
+    import os
+    os.environ["FSDP_ROW_DTENSOR_TMP"] = str(tmp_path)
+    for rank, r in enumerate(run_distributed(_hsdp_worker, 4, timeout=240)):
+        assert r["is"] == ("RowParam", True, SHAPE, True, ["Replicate", "RowShard"]), r["is"]
+        for k in ("full_tensor", "replicate", "shard1", "distribute_like_p"):
+            assert r[k], (rank, k)
+        for name, res in r["ops"].items():
+            if name in MUST_RAISE:
+                assert res[0] == "raised" and res[1], (rank, name, res)
+            else:
+                assert res == "equal", (rank, name, res)
+        assert all(v is True for v in r["copy"].values()), (rank, r["copy"])
+        assert r["optim"][0] and r["optim"][2] and "RowParam" in r["optim"][1], r["optim"]
+        norm, ref, scaled = r["clip"]
+        assert norm == pytest.approx(ref, rel=1e-6) and scaled, r["clip"]
+        assert r["dcp"] == (True, True), rank
