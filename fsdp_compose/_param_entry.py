@@ -168,6 +168,7 @@ class ParamEntry:
         w = (RowParam(rows, self.row, requires_grad=False)  # type: ignore[arg-type]
              if rows.dtype == self.sharded.dtype else row_param(rows, self.row))  # type: ignore[arg-type]
         w._fsdp_name = self.fqn  # (for messages)
+        w._fsdp_reusable = True  # type: ignore[attr-defined]  # (lets go of its rows when p.grad moves on: _row_dtensor._release)
         self._grad_wrapper = w
         return w
 

@@ -444,13 +444,21 @@ def _held_grad_worker(rank: int, ws: int) -> dict:
     opt.zero_grad()
     model(torch.randn(4, 5)).pow(2).sum().backward()
     out["still_a_rowparam"] = type(w.grad).__name__
+    # zero_grad frees the gradient's rows, as with plain tensors: the wrapper
+    # kept for reuse lets go of them (it held every gradient shard alive)
+    import gc
+    import weakref
+    rows = weakref.ref(w.grad._local_tensor)
+    opt.zero_grad()
+    gc.collect()
+    out["rows_freed"] = rows() is None
     return out
 
 
 def test_a_gradient_kept_across_zero_grad_keeps_its_values():
     for r in run_distributed(_held_grad_worker, 2, timeout=120):
         assert r == {"kept_intact": True, "new_object": True, "new_differs": True,
-                     "still_a_rowparam": "RowParam"}, r
+                     "still_a_rowparam": "RowParam", "rows_freed": True}, r
 
 
 def _user_changes_worker(rank: int, ws: int) -> dict:
