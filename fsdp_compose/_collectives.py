@@ -438,8 +438,8 @@ def reduce_small(tensor: torch.Tensor, op, group, doing: str) -> None:
         return
     flat = tensor.detach().reshape(-1).contiguous()
     out = flat.new_empty(dist.get_world_size(group) * flat.numel())
-    _stats().all_gather_calls += 1
-    _stats().all_gather_bytes += _nbytes(out)
+    _count_all_reduce(flat)  # (counted as the reduction it is: comm_stats()'s
+    # all-gathers are the parameters')
     _divergence.user_collective(
         group, lambda: _all_gather_tensor(out, flat, group=group, async_op=True),
         f"{doing} (an all-gather)", blocks_cpu=True)
