@@ -259,14 +259,14 @@ def _scaler(kind: str):
     return torch.amp.GradScaler("cpu", **SCALER)
 
 
-def _scaled_run(rank: int, world: int, kind: str) -> dict:
+def _scaled_run(rank: int, world: int, kind: str, mesh=None) -> dict:
     """SCALER_STEPS steps of the sharded model with scaler ``kind``
     ("sharded", "unguarded" or "plain") and of the reference; per step what
-    this rank measured."""
+    this rank measured. ``mesh``: e.g. HSDP's (2, 2)."""
     torch.manual_seed(0)
     model = PoisonNet()
     ref = copy.deepcopy(model)
-    shard(model)
+    shard(model, **({} if mesh is None else {"mesh": mesh}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler, ref_scaler = _scaler(kind), torch.amp.GradScaler("cpu", **SCALER)
@@ -315,18 +315,25 @@ def _scalers(rank: int, world: int) -> dict:
     from fsdp_compose import DivergenceError
     out = {"sharded": _scaled_run(rank, world, "sharded")}
     out["plain"] = _scaled_run(rank, world, "plain")
-    if world == 4:  # HSDP (2 replicas x 2 shards): gradients stay plain row pieces
+    if world == 4:
         from torch.distributed.device_mesh import init_device_mesh
+        # HSDP (2 replicas x 2 shards): gradients are RowParams placed
+        # (Replicate(), RowShard): torch's check reduces over the whole mesh
+        out["hsdp"] = _scaled_run(rank, world, "plain", mesh=init_device_mesh("cpu", (2, 2)))
+        # tensor parallel inside units (dp 2 x tp 2): gradients stay plain
+        # row pieces of the TP shards, so the guard raises
+        from ._tp_net import IN, T, Net, parallelize
         torch.manual_seed(0)
-        model = shard(PoisonNet(), mesh=init_device_mesh("cpu", (2, 2)))
+        model = Net()
+        parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = _scaler("plain")
-        scaler.scale(model(torch.randn(2, 3)).pow(2).mean()).backward()
+        scaler.scale(model(torch.randn(2, T, IN)).pow(2).mean()).backward()
         try:
             scaler.unscale_(opt)
-            out["hsdp_plain"] = None
+            out["tp_plain"] = None
         except RuntimeError as e:
-            out["hsdp_plain"] = str(e)
+            out["tp_plain"] = str(e)
     try:  # last: a DivergenceError stops this process group's models
         out["unguarded"] = _scaled_run(rank, world, "unguarded")
         out["checked"] = None
@@ -397,14 +404,29 @@ def test_plain_grad_scaler_on_dtensor_gradients_skips_the_same_steps(scaled):
         assert not [p for s in steps for p in s["problems"]], rank
 
 
-def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):
-    """The guard, where gradients are still plain row pieces (HSDP): every
-    rank raises at the first unscale_, naming a split parameter and the fix."""
+def test_plain_grad_scaler_on_hsdp_skips_the_same_steps(scaled):
+    """HSDP's gradients are RowParams too: torch's GradScaler matches the
+    reference on every rank (the guard raised while they were plain pieces)."""
     world, results = scaled
     if world != 4:
         pytest.skip("HSDP needs 4 ranks")
     for rank, r in enumerate(results):
-        msg = r["hsdp_plain"]
+        steps = r["hsdp"]["steps"]
+        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
+            == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
+        assert not [p for s in steps for p in s["problems"]], rank
+
+
+def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):
+    """The guard, where gradients are still plain row pieces (tensor
+    parallel inside units): every rank raises at the first unscale_, naming
+    a split parameter and the fix."""
+    world, results = scaled
+    if world != 4:
+        pytest.skip("dp x tp needs 4 ranks")
+    for rank, r in enumerate(results):
+        msg = r["tp_plain"]
         assert msg is not None, (rank, "no error")
         for want in (f"[rank {rank}]", "GradScaler on sharded parameters", "split over ranks",
                      "ShardedGradScaler"):
