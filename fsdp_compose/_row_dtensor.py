@@ -714,9 +714,9 @@ def _rewrap(out, args, op: str, check: bool):
             return o
         pls = o._spec.placements
         pl = pls[-1]
-        if not isinstance(pl, Shard) and not any(isinstance(q, Shard) for q in pls[:-1]):
+        if not any(isinstance(q, Shard) for q in pls):
             return o  # Replicate / Partial: does not depend on the split
-        if not all(q.is_replicate() for q in pls[:-1]):
+        if not isinstance(pl, Shard) or not all(q.is_replicate() for q in pls[:-1]):
             if check and uneven:  # (a Shard on the replicas' dim: not a split of ours)
                 raise _refuse(op, ins, f"the result would be placed {tuple(pls)}")
             return o
