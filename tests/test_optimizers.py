@@ -391,17 +391,22 @@ def test_unguarded_grad_scaler_skips_the_same_steps_on_every_rank(scaled):
         assert not problems, (world, rank, problems[:12])
 
 
+def _assert_steps_as_the_reference(rank: int, steps: list) -> None:
+    """Every step of this rank as the reference's: the inf step skipped, the
+    same scales, and parameters and gradients alike."""
+    assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
+        == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
+    assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
+    assert not [p for s in steps for p in s["problems"]], rank
+
+
 def test_plain_grad_scaler_on_dtensor_gradients_skips_the_same_steps(scaled):
     """torch.amp.GradScaler with fsdp_compose's guard installed: the guard lets
     RowParam gradients through (DTensor reduces the found-inf flag, see the
     test above), and every rank matches the reference."""
     world, results = scaled
     for rank, r in enumerate(results):
-        steps = r["plain"]["steps"]
-        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
-            == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
-        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
-        assert not [p for s in steps for p in s["problems"]], rank
+        _assert_steps_as_the_reference(rank, r["plain"]["steps"])
 
 
 def test_plain_grad_scaler_on_hsdp_skips_the_same_steps(scaled):
@@ -411,11 +416,7 @@ def test_plain_grad_scaler_on_hsdp_skips_the_same_steps(scaled):
     if world != 4:
         pytest.skip("HSDP needs 4 ranks")
     for rank, r in enumerate(results):
-        steps = r["hsdp"]["steps"]
-        assert [s["stepped"] for s in steps] == [s["ref_stepped"] for s in steps] \
-            == [i != INF_STEP for i in range(SCALER_STEPS)], (rank, steps)
-        assert [s["scale"] for s in steps] == [s["ref_scale"] for s in steps], (rank, steps)
-        assert not [p for s in steps for p in s["problems"]], rank
+        _assert_steps_as_the_reference(rank, r["hsdp"]["steps"])
 
 
 def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):

@@ -92,6 +92,73 @@ def _as_full(out):
     return out
 
 
+def _op_results(p, full, replicated, rank: int) -> dict:
+    """The property test on ``p`` (the RowParam of ``full``): each op's result
+    against the unsharded one, or whether it raised naming the parameter.
+    ``replicated(t)``: ``t`` as a replicated DTensor on ``p``'s mesh."""
+    ops = {}
+    for name, f in _OPS.items():
+        want = _call(f, full, lambda t: t)
+        try:
+            with torch.no_grad():
+                got = _as_full(_call(f, p, replicated))
+            ops[name] = ("equal" if torch.allclose(got.to(want.dtype), want, atol=1e-6)
+                         and got.dtype == want.dtype else f"WRONG {got}")
+        except (NotImplementedError, RuntimeError) as e:
+            ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
+    return ops
+
+
+def _copy_results(param, srcs: dict, a: int, b: int) -> dict:
+    """``copy_`` of each source into a fresh RowParam of rows ``[a, b)``:
+    this rank's rows and the whole tensor equal the source's."""
+    copies = {}
+    for k, src in srcs.items():
+        q = param(torch.zeros(SHAPE))
+        with torch.no_grad():
+            q.copy_(src)
+        copies[k] = torch.equal(q.to_local(), _as_full(src)[a:b]) and torch.equal(
+            q.full_tensor(), _as_full(src))
+    return copies
+
+
+def _step_both(do, lo, dp, lp, a: int, b: int, steps: int = 3) -> None:
+    """``steps`` steps of ``do`` on RowParam ``dp`` (through the local swap,
+    as the global step hooks run it) and of ``lo`` on plain ``lp``, alike."""
+    from fsdp_compose._local_step import restore, swap_in
+    from fsdp_compose._row_dtensor import row_param
+
+    for step in range(steps):
+        g = _full(10 + step)[a:b]
+        dp.grad = row_param(g.clone(), dp._spec)
+        lp.grad = g.clone()
+        assert swap_in(do)  # what the global step hooks do for sharded parameters
+        try:
+            do.step()
+        finally:
+            restore(do)
+        lo.step()
+
+
+def _torch_clip_result(param, full, a: int, b: int) -> tuple:
+    """torch's own clip_grad_norm_ (not our routing) on a RowParam gradient:
+    (its norm, the unsharded norm, the clipped gradients equal)."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compose._row_dtensor import row_param
+
+    cp = param(full)
+    cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)  # torch's own, not our routing
+    norm = torch_clip([cp], 1.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    ref = nn.Parameter(full.clone())
+    ref.grad = _full(20)
+    return (float(norm), float(torch.nn.utils.clip_grad_norm_([ref], 1.0)),
+            torch.allclose(cp.grad.full_tensor(), ref.grad, atol=1e-7))
+
+
 def _worker(rank: int, ws: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -100,7 +167,6 @@ def _worker(rank: int, ws: int) -> dict:
                                           distribute_tensor)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from fsdp_compose._local_step import restore, swap_in
     from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
 
     mesh = init_device_mesh("cpu", (ws,))
@@ -168,17 +234,7 @@ def _worker(rank: int, ws: int) -> dict:
                        hash(rsh) != hash(Shard(0)), pickle.loads(pickle.dumps(rsh)) == rsh,
                        copy.deepcopy(rsh) is rsh)
     # ---- the guard, op by op
-    ops = {}
-    for name, f in _OPS.items():
-        want = _call(f, full, lambda t: t)
-        try:
-            with torch.no_grad():
-                got = _as_full(_call(f, p, lambda t: distribute_tensor(t, mesh, [Replicate()])))
-            ops[name] = ("equal" if torch.allclose(got.to(want.dtype), want, atol=1e-6)
-                         and got.dtype == want.dtype else f"WRONG {got}")
-        except (NotImplementedError, RuntimeError) as e:
-            ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
-    out["ops"] = ops
+    out["ops"] = _op_results(p, full, lambda t: distribute_tensor(t, mesh, [Replicate()]), rank)
     # foreach ops over parameters split differently (torch's clip_grads_with_norm_,
     # optimizers): element-wise per position, so allowed, and right
     q = param(_full(5), "q")
@@ -206,13 +262,7 @@ def _worker(rank: int, ws: int) -> dict:
             "other_split": DTensor.from_local(
                 (full * 5)[other.cuts[rank]:other.cuts[rank + 1]], mesh, [other],
                 run_check=False, shape=full.shape, stride=full.stride())}
-    copies = {}
-    for k, src in srcs.items():
-        q = param(torch.zeros(SHAPE))
-        with torch.no_grad():
-            q.copy_(src)
-        copies[k] = torch.equal(q.to_local(), _as_full(src)[a:b]) and torch.equal(
-            q.full_tensor(), _as_full(src))
+    copies = _copy_results(param, srcs, a, b)
     try:
         with torch.no_grad():
             param(torch.zeros(SHAPE)).copy_(torch.zeros(8, 3))
@@ -234,16 +284,7 @@ def _worker(rank: int, ws: int) -> dict:
             "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01)}.items():
         dp, lp = param(full), nn.Parameter(full[a:b].clone())
         do, lo = make([dp]), make([lp])
-        for step in range(3):
-            g = _full(10 + step)[a:b]
-            dp.grad = row_param(g.clone(), dp._spec)
-            lp.grad = g.clone()
-            assert swap_in(do)  # what the global step hooks do for sharded parameters
-            try:
-                do.step()
-            finally:
-                restore(do)
-            lo.step()
+        _step_both(do, lo, dp, lp, a, b)
         state = do.state[dp]
         opts[name] = (torch.equal(dp.to_local(), lp.detach()),
                       all(torch.equal(v.to_local() if isinstance(v, DTensor) else v,
@@ -252,17 +293,7 @@ def _worker(rank: int, ws: int) -> dict:
                       type(do.param_groups[0]["params"][0]).__name__)
     out["optim"] = opts
     # ---- torch's own clip on RowParam gradients
-    cp = param(full)
-    cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
-    torch_clip = torch.nn.utils.clip_grad_norm_
-    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)  # torch's own, not our routing
-    norm = torch_clip([cp], 1.0)
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    ref = nn.Parameter(full.clone())
-    ref.grad = _full(20)
-    ref_norm = torch.nn.utils.clip_grad_norm_([ref], 1.0)
-    out["clip"] = (float(norm), float(ref_norm),
-                   torch.allclose(cp.grad.full_tensor(), ref.grad, atol=1e-7))
+    out["clip"] = _torch_clip_result(param, full, a, b)
     # ---- DCP: save our rows, load into another split and into torch.chunk's
     path = f"{_tmp_root()}/dcp_{ws}"
     dcp.save({"w": p}, checkpoint_id=path)
@@ -550,7 +581,6 @@ def _hsdp_worker(rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from fsdp_compose._local_step import restore, swap_in
     from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
 
     mesh = init_device_mesh("cpu", (2, 2))
@@ -575,57 +605,22 @@ def _hsdp_worker(rank: int, ws: int) -> dict:
                                 full)
     out["distribute_like_p"] = torch.equal(
         distribute_tensor(full, mesh, p.placements).full_tensor(), full)
-    ops = {}
-    for name, f in _OPS.items():
-        want = _call(f, full, lambda t: t)
-        try:
-            with torch.no_grad():
-                got = _as_full(_call(f, p, lambda t: distribute_tensor(t, mesh, rr)))
-            ops[name] = ("equal" if torch.allclose(got.to(want.dtype), want, atol=1e-6)
-                         and got.dtype == want.dtype else f"WRONG {got}")
-        except (NotImplementedError, RuntimeError) as e:
-            ops[name] = ("raised", "w" in str(e) and f"rank {rank}" in str(e), str(e)[:160])
-    out["ops"] = ops
+    out["ops"] = _op_results(p, full, lambda t: distribute_tensor(t, mesh, rr), rank)
     other = RowShard((0, 2, 7))
     srcs = {"full": full * 2, "replicate": distribute_tensor(full * 3, mesh, rr),
             "chunked": distribute_tensor(full * 4, mesh, [Replicate(), Shard(0)]),
             "other_split": DTensor.from_local(
                 (full * 5)[other.cuts[coord]:other.cuts[coord + 1]], mesh, [Replicate(), other],
                 run_check=False, shape=full.shape, stride=full.stride())}
-    copies = {}
-    for k, src in srcs.items():
-        q = param(torch.zeros(SHAPE))
-        with torch.no_grad():
-            q.copy_(src)
-        copies[k] = torch.equal(q.to_local(), _as_full(src)[a:b]) and torch.equal(
-            q.full_tensor(), _as_full(src))
-    out["copy"] = copies
+    out["copy"] = _copy_results(param, srcs, a, b)
     dp, lp = param(full), nn.Parameter(full[a:b].clone())
     do, lo = torch.optim.AdamW([dp], lr=0.1), torch.optim.AdamW([lp], lr=0.1)
-    for step in range(3):
-        g = _full(10 + step)[a:b]
-        dp.grad = row_param(g.clone(), dp._spec)
-        lp.grad = g.clone()
-        assert swap_in(do)
-        try:
-            do.step()
-        finally:
-            restore(do)
-        lo.step()
+    _step_both(do, lo, dp, lp, a, b)
     out["optim"] = (torch.equal(dp.to_local(), lp.detach()),
                     sorted(type(v).__name__ for v in do.state[dp].values()),
                     all(v.placements == dp.placements for v in do.state[dp].values()
                         if isinstance(v, DTensor)))
-    cp = param(full)
-    cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
-    torch_clip = torch.nn.utils.clip_grad_norm_
-    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)
-    norm = torch_clip([cp], 1.0)
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    ref = nn.Parameter(full.clone())
-    ref.grad = _full(20)
-    out["clip"] = (float(norm), float(torch.nn.utils.clip_grad_norm_([ref], 1.0)),
-                   torch.allclose(cp.grad.full_tensor(), ref.grad, atol=1e-7))
+    out["clip"] = _torch_clip_result(param, full, a, b)
     path = f"{_tmp_root()}/dcp_hsdp"
     dcp.save({"w": p}, checkpoint_id=path)
     into = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Replicate(), Shard(0)]),
