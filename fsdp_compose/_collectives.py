@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import _divergence
-from ._common import group_backends
+from ._common import all_gather_tensor, group_backends, reduce_scatter_tensor
 from ._job import job
 from .api import CommStats
 
@@ -61,9 +61,8 @@ def _stats() -> CommStats:
     return j.comm
 
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn).
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = all_gather_tensor  # (torch 2.13's names, _common)
+_reduce_scatter_tensor = reduce_scatter_tensor
 
 
 def comm_stats() -> CommStats:

@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 from . import _compat
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn).
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class TrainingState(enum.Enum):
     """Where a fully_shard unit is in a training step."""

@@ -45,13 +45,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from . import _compat
+from ._common import all_gather_tensor
 
 __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
 
 
 # all_gather_single (2.13+); all_gather_tensor on 2.11, deprecated since
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_C10D_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _gather_rows(padded: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
     # (gloo checks the output as a flat list of the inputs' sizes: dim 0 only, as here)
     group = mesh.get_group(mesh_dim)
     _collective("an all-gather", mesh, mesh_dim, padded.device,
-                lambda: _C10D_ALL_GATHER(out, padded, group=group, async_op=True))
+                lambda: all_gather_tensor(out, padded, group=group, async_op=True))
     return out
 
 
