@@ -6,11 +6,50 @@ checkpoint regions they ran in). ``build_plan`` turns a record into a
 ``BackwardPlan``: the gather order, the reduce order, each reduce-scatter's
 slot in the one sequence of both, the prefetch stops and the reduce bucket
 boundaries ([Note: collective order] and [Note: one order across
-communicators] in _backward_schedule.py). It is a pure function of the
-record and of what it is given about the units (no collective, no process
-group, no unit state), so ``tools/_planner.py`` replays a step with the
-package's own plan, and tests build plans without processes. Units are
-whatever hashable objects the caller records.
+communicators] below). It is a pure function of the record and of what it
+is given about the units (no collective, no process group, no unit state).
+``PlanWalker`` walks one backward through its plan and returns the steps due
+(all-gathers and reduce-scatters, in the one sequence): the runtime performs
+them with collectives (``_state.RootContext``), ``tools/_planner.py`` with
+sizes, and tests without processes. Units are whatever hashable objects the
+caller records.
+
+[Note: collective order]
+Collectives on one process group must be issued in the same order on every
+rank, but which backward hooks fire, and when, depends on each rank's graph.
+So backward collectives follow rank-independent orders derived from the
+forward, over the units whose forward ran with a backward to follow:
+- gather order: reverse of the units' LAST post-forward (the root first). A
+  unit needing its parameters in backward first gathers every unit before it.
+- reduce order: reverse of the units' FIRST pre-forward (the root last), then
+  the units an earlier backward left unreduced that did not run in this one
+  (``pending``). A ready unit waits for every trainable unit before it; the
+  final callback issues the rest, zero-filled where this rank has no gradient
+  (so every rank gets the rank average). A second process group carries them.
+- No-grad islands of the training forward (reentrant checkpoints) are in both
+  orders at the place of their forward; never recomputed, the final callback
+  gathers them and reduces zeros. At most one unit's reduce-scatters in flight.
+
+[Note: one order across communicators]
+NCCL also needs collectives on *different* communicators issued in one order
+on every rank (a blocked kernel can hold the SMs or the one hardware queue
+another communicator needs), so the two orders are merged into ONE sequence,
+a function of the forward alone:
+- each reduce-scatter has a *slot* in the gather order: after the all-gathers
+  of every unit whose forward ended after its unit's first forward began, and
+  of every unit in its checkpoint region (non-reentrant, or the islands of one
+  reentrant ``CheckpointFunction``), plus what those prefetch; never before an
+  earlier unit's slot. It goes out, in reduce order, once ready and once its
+  slot's all-gather is issued;
+- a demand for an all-gather first issues the reduce-scatters slotted before
+  it, zero-filled where ``_compat.will_execute`` says no gradient comes (the
+  engine's decreasing sequence numbers complete them before it, or never).
+Outside the sequence (hook timing, equal on ranks with equal graphs): a
+second gradient for a unit already reduced, and the user's ``unshard()``.
+
+A gradient part that a nested (reentrant checkpoint) backward brings is not
+reduced alone when the outer backward brings another part (asked of the
+engine at the unit's pre-backward): one reduce-scatter of the sum.
 """
 from __future__ import annotations
 
@@ -172,3 +211,97 @@ def _bucket_ends(order: list, does: tuple, grad_bytes: Callable, limit: int) -> 
         if after is None or total + after > limit:
             ends[i], total = True, 0
     return tuple(ends)
+
+
+GATHER = "gather"   # a step of the walk: all-gather this unit
+REDUCE = "reduce"   # a step of the walk: reduce-scatter these units (a bucket, or one)
+
+
+class PlanWalker:
+    """Where one backward stands in its ``BackwardPlan``: the gather cursor,
+    the reduce cursor, the units ready and launched, the open reduce bucket.
+
+    A pure object: it issues nothing. Its methods return the *steps* due now,
+    in the one sequence of [Note: one order across communicators]
+    (``(GATHER, unit)`` and ``(REDUCE, units, bucket)``), and the caller
+    performs them in that order: the runtime (``_state.RootContext``) with
+    real collectives, ``tools/_planner.py`` with sizes. ``bucketed``: reduce
+    buckets are on (else each unit is reduced alone)."""
+
+    def __init__(self, plan: BackwardPlan, bucketed: bool):
+        self.plan = plan
+        self.bucketed = bucketed
+        self.gather_next = 0        # next index of the gather order to all-gather
+        self.reduce_next = 0        # next index of the reduce order to reduce-scatter
+        self.ready: set = set()     # units whose gradients are all accumulated
+        self.launched: set = set()  # units whose reduce-scatter was issued
+        self.bucket: list = []      # units waiting to be reduced as one bucket
+
+    def up_to(self, stop: int, final: bool = False, gets_grad: Mapping | None = None,
+              reduce: bool = True) -> list[tuple]:
+        """The steps that issue the gather order up to index ``stop``, each
+        all-gather after the reduce-scatters slotted before it. ``final``: the
+        end of backward, every reduce-scatter goes (zero-filled where no
+        gradient came). ``gets_grad``: {unit: the engine will give it a
+        gradient} for the reducing units of this backward (None: not known,
+        inside a nested backward): at a demand, a unit past its slot that no
+        gradient will reach on this rank is reduced zero-filled rather than
+        waited for. ``reduce`` False: all-gathers only (a backward that
+        accumulated no gradient: ``autograd.grad(loss, inputs)``)."""
+        steps: list[tuple] = []
+        order = self.plan.gather_order
+        while self.gather_next <= stop:
+            if reduce:
+                self._reductions(steps, demand=True, final=final, gets_grad=gets_grad)
+            self.gather_next += 1
+            steps.append((GATHER, order[self.gather_next - 1]))
+        if reduce:
+            self._reductions(steps, final=final)
+        return steps
+
+    def mark_ready(self, unit) -> list[tuple]:
+        """``unit``'s gradients are all accumulated: the reduce-scatters due now."""
+        self.ready.add(unit)
+        steps: list[tuple] = []
+        self._reductions(steps)
+        return steps
+
+    def _reductions(self, steps: list, demand: bool = False, final: bool = False,
+                    gets_grad: Mapping | None = None) -> None:
+        """Append the reduce-scatters whose turn came: in the reduce order, each
+        once the all-gather of its slot is issued. Ready ones only, except
+        ``demand`` (the next all-gather is wanted: the ones slotted before it
+        go first, zero-filled where no gradient comes) and ``final`` (all)."""
+        plan = self.plan
+        order = plan.reduce_order
+        while self.reduce_next < len(order):
+            i, unit = self.reduce_next, order[self.reduce_next]
+            if not plan.reduces[i]:
+                self.reduce_next += 1  # nothing to reduce (frozen, or accumulating)
+                continue
+            if plan.slots[i] >= self.gather_next:
+                break  # its slot's all-gather is not issued yet
+            if unit not in self.ready and not final:
+                if not (demand and _no_gradient_here(unit, gets_grad)):
+                    break  # (a demand that cannot wait for it issues its all-gather anyway)
+            self.reduce_next += 1
+            if not self.bucketed:
+                self.launched.add(unit)
+                steps.append((REDUCE, [unit], False))
+                continue
+            self.bucket.append(unit)
+            if plan.bucket_ends[i]:
+                units, self.bucket = self.bucket, []
+                self.launched.update(units)
+                steps.append((REDUCE, units, True))
+
+    def reducing_units(self) -> list:
+        """The units this backward reduces (the plan's ``reduces``)."""
+        return [u for u, does in zip(self.plan.reduce_order, self.plan.reduces) if does]
+
+
+def _no_gradient_here(unit, gets_grad: Mapping | None) -> bool:
+    """No gradient will come for ``unit`` on this rank, and this backward
+    reduces gradients at all (not ``autograd.grad(loss, inputs)``)."""
+    return (gets_grad is not None and any(gets_grad.values())
+            and not gets_grad.get(unit, False))

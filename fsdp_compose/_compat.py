@@ -71,7 +71,7 @@ def checkpoint_region() -> int | None:
     """An id of the innermost non-reentrant activation-checkpoint region the
     caller's forward runs in (``torch.utils.checkpoint``, also under
     ``checkpoint_wrapper`` and HF's gradient checkpointing), else None. For
-    the backward's collective order (_backward_schedule.py).
+    the backward's collective order (_backward_plan.py).
 
     Why private: the saved-tensors hooks stack is only readable through
     ``_top_saved_tensors_default_hooks``; a checkpoint region's pack hook (a

@@ -88,7 +88,7 @@ class GroupSpec:
 
     mesh: object                 # the unit's DeviceMesh (state dicts place DTensors on it)
     pg: object                   # its all-gathers
-    rs_pg: object                # its reduce-scatters (see _backward_schedule.py)
+    rs_pg: object                # its reduce-scatters (see _backward_plan.py)
     replicate_pg: object         # HSDP: gradient shards are all-reduced over it; or None
     world: int                   # ranks the shard is split over
     rank: int                    # this rank's index among them
@@ -612,6 +612,9 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     Every group is UNSHARDING after it."""
     first = groups[0]
     W, total = first.world, sum(g.slot for g in groups)
+    held = streams.holder_of("all_gather", first.compute_dtype, first.device)
+    if isinstance(held, _GatherBucketWork):
+        held.flush()  # the kept buffer: its chunks copied out, it is free again
     work = _GatherBucketWork(None, groups, None, streams)  # type: ignore[arg-type]
     buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
@@ -624,5 +627,5 @@ def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
     what = (first.unit_fqn, f"{_GATHER} (a bucket of {len(groups)} groups from here on)")
     work._pending, work._buf = streams.all_gather(buf, mine, first.pg, what), buf
     for g in groups:
-        g._pending = Pending(_GroupShare(work, g), ())
+        g._pending = _GroupShare(work, g)  # type: ignore[assignment]  # (a wait() of its own)
         g.state = ShardedState.UNSHARDING

@@ -8,8 +8,11 @@ step's record of the forward that the backward orders derive from.
 it owns the learned orders (one ``_Learned`` per kind of root forward), the
 walk of the root forward running now (``_Walk``), and the groups the
 agreement all-reduces in; it writes what it follows into the root's
-``StepRecord``, and asks the root for every all-gather and free of a unit it
-catches up (``RootContext.gather`` / ``reshard``). Forward prefetch and
+``StepRecord``. It decides, and the root acts: each unit event returns the
+events of the order this rank skipped, one at a time (a generator: the
+agreement's all-reduces and the catch-ups' all-gathers interleave, as every
+rank issues them), and the root all-gathers or frees each skipped unit
+(``RootContext._catch_up``) before the next is decided. Forward prefetch and
 gather buckets are the root's (``RootContext.prefetch_forward``).
 
 [Note: forward order]
@@ -31,17 +34,21 @@ its method's training order once there is one). Protocol: docs/design.md,
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator, Iterator
 
 import torch
 
 from . import _compat
-from ._common import Gather, Reshard, label, trace, unit_error
-from ._forward_order import GRAD, NO_BACKWARD, ForwardOrder, merged
+from ._backward_plan import StepRecord
+from ._common import unit_error
+from ._forward_order import NO_BACKWARD, ForwardOrder, merged
 
 if TYPE_CHECKING:
-    from ._state import RootContext
+    from ._streams import StreamManager
     from ._unit import Unit
+
+# a skipped event of the order, for the root to act on: (index, pre, unit, flag)
+CatchUp = tuple
 
 
 class LastStepOrder:
@@ -73,73 +80,72 @@ class LastStepOrder:
 class ForwardTracker:
     """The forward orders of one root, followed or agreed on (see the Note)."""
 
-    def __init__(self, ctx: "RootContext"):
-        self.ctx = ctx
+    def __init__(self, root: Unit, units: list[Unit], record: StepRecord,
+                 streams: StreamManager):
+        self._root, self._units, self._record, self._streams = root, units, record, streams
         self._orders: dict[tuple, _Learned] = {}  # per kind of root forward: (method, training)
         self.walk: _Walk | None = None              # the root forward now running
-        self._unit_index = {u: i for i, u in enumerate(ctx.units)}
+        self._unit_index = {u: i for i, u in enumerate(units)}
         self._order_pgs: tuple | None = None        # the groups the agreement all-reduces in
+        self.gather_now = True  # the last forward_start's answer: all-gather the unit now
 
-    def start(self, entry: str, training: bool) -> None:
-        """A root forward starts (``entry``: the method run): follow its kind's
-        learned order, or agree on one."""
-        self.walk = None
-        ctx = self.ctx
-        if not ctx.communicates:
-            return
+    def start(self, entry: str, training: bool, dynamic: bool) -> None:
+        """A root forward starts (``entry``: the method run; ``training``: a
+        training forward; ``dynamic``: set_forward_order_dynamic): follow its
+        kind's learned order, or agree on one. Only where some group
+        communicates (the caller's test)."""
         learned = self._orders.setdefault((entry, training), _Learned())
         trained = self._orders.get((entry, True))
         if not training and trained is not None and not trained.learning():
             follow = trained  # eval follows the training order: [Note: forward order]
         else:
             follow = learned
-        agree = ctx.settings.forward_order_dynamic or follow.learning()
+        agree = dynamic or follow.learning()
         self.walk = _Walk(ForwardOrder() if agree else follow.order,  # type: ignore[arg-type]
-                          agree, ctx.record.clock, learned)
+                          agree, self._record.clock, learned, training)
 
-    def record_forward(self, unit: Unit) -> bool:
-        """``unit``'s forward starts. Returns whether to all-gather it now
-        (False: it was gathered already, at its place in the forward order)."""
-        walk, record = self.walk, self.ctx.record
+    def forward_start(self, unit: Unit, training: bool) -> Iterator[CatchUp]:
+        """``unit``'s forward starts (``training``: inside a training forward
+        of the root): yields the skipped events before it, for the caller to
+        act on; then sets ``gather_now`` (False: it was gathered already, at
+        its place in the forward order)."""
+        walk, record = self.walk, self._record
+        self.gather_now = True
         if walk is None:  # no root forward running (an inner unit called alone), or world 1
             record.record_pre(unit)
-            region = self._region_here()
+            region = _region_here(training)
             if region is not None:
                 record.add_region(unit, region)
-            return True
+            return
         if unit in walk.held:  # gathered at its place in the order: it runs here after all
             del walk.held[unit]
             walk.running.add(unit)
-            return False
-        j = self._agree(walk, True, unit) if walk.agree else self._follow(walk, True, unit)
+            self.gather_now = False
+            return
+        j = yield from (self._agree(walk, True, unit) if walk.agree
+                        else self._follow(walk, True, unit))
         walk.running.add(unit)
         record.clock = walk.base + j
         record.record_pre(unit)
-        if walk.agree and self.ctx.in_training_forward:
-            walk.seen[j] = self._region_here()
-        return True
+        if walk.agree and walk.training:
+            walk.seen[j] = _region_here(True)
 
-    def _region_here(self):
-        """The activation-checkpoint region a unit's forward starts in (see
-        _backward_plan._slots): a non-reentrant one's while grad is on, a
-        reentrant one's for a no-grad island of a training forward."""
-        if torch.is_grad_enabled():
-            return _compat.checkpoint_region()
-        return _compat.reentrant_checkpoint_region() if self.ctx.in_training_forward else None
-
-    def forward_end(self, unit: Unit, flag: int) -> None:
-        """``unit``'s forward ends: the order's -u (units skipped here first)."""
+    def forward_end(self, unit: Unit, flag: int) -> Iterator[CatchUp]:
+        """``unit``'s forward ends: the order's -u; yields the skipped events
+        before it, for the caller to act on."""
         walk = self.walk
         if walk is None:
             return
-        j = self._agree(walk, False, unit, flag) if walk.agree else self._follow(walk, False, unit)
+        j = yield from (self._agree(walk, False, unit, flag) if walk.agree
+                        else self._follow(walk, False, unit))
         walk.running.discard(unit)
-        self.ctx.record.clock = walk.base + j
-        if unit is self.ctx.root:
+        self._record.clock = walk.base + j
+        if unit is self._root:
             self._end_walk(walk)
 
     # ---------------------------------------------------- the forward order
-    def _follow(self, walk: "_Walk", pre: bool, unit: Unit) -> int:
+    def _follow(self, walk: "_Walk", pre: bool,
+                unit: Unit) -> Generator[CatchUp, None, int]:
         """The index of this rank's event in the learned order, after catching
         up the events before it that this rank skipped (see the Note)."""
         order, i = walk.order, walk.next
@@ -151,25 +157,26 @@ class ForwardTracker:
         if j is None or blocked is not None:  # (before any collective of the catch-up)
             raise self._departure(walk, pre, unit, blocked)
         for k in range(i, j):
-            self._catch_up(walk, k, order.pre[k], order.units[k], order.flag[k])
+            yield self._catch_up(walk, k, order.pre[k], order.units[k], order.flag[k])
         walk.next = j + 1
         return j
 
-    def _agree(self, walk: "_Walk", pre: bool, unit: Unit, flag: int = NO_BACKWARD) -> int:
+    def _agree(self, walk: "_Walk", pre: bool, unit: Unit,
+               flag: int = NO_BACKWARD) -> Generator[CatchUp, None, int]:
         """Agree with the other ranks on the next event of the order (see the
         Note); catch up the events agreed before this rank's own. Returns its index."""
         order = walk.order
-        if pre and unit is self.ctx.root and not len(order):  # every rank's forward starts so
+        if pre and unit is self._root and not len(order):  # every rank's forward starts so
             walk.open(0, unit)
             return order.append(True, unit)
-        n = len(self.ctx.units)
+        n = len(self._units)
         want = (self._unit_index[unit] * 4 if pre
                 else (n + _OPEN_MAX - walk.opened[unit]) * 4 + 3 - flag)
         while True:
             got = self._min_across([want])[0]
             q, r = divmod(got, 4)
             if q < n:
-                e_pre, v, e_flag = True, self.ctx.units[q], NO_BACKWARD
+                e_pre, v, e_flag = True, self._units[q], NO_BACKWARD
             else:
                 e_pre, v, e_flag = False, walk.open_at[_OPEN_MAX - (q - n)], 3 - r
             j = order.append(e_pre, v, e_flag)
@@ -184,45 +191,35 @@ class ForwardTracker:
                                  f"runs here, inside the forward of '{unit.fqn or '<root>'}': the "
                                  "ranks nest their units' forwards differently. Agreed so far: "
                                  f"{order.describe(len(order) - 1)}.", _ORDER_FIX)
-            self._catch_up(walk, j, e_pre, v, e_flag)
+            yield self._catch_up(walk, j, e_pre, v, e_flag)
 
-    def _catch_up(self, walk: "_Walk", k: int, pre: bool, unit: Unit, flag: int) -> None:
-        """Event ``k`` of the order, which this rank skipped: take part in its
-        all-gathers (pre) or reshard as its post-forward would (post), and
-        record it where it is in the order."""
-        ctx, record = self.ctx, self.ctx.record
+    def _catch_up(self, walk: "_Walk", k: int, pre: bool, unit: Unit, flag: int) -> CatchUp:
+        """Event ``k`` of the order, which this rank skipped: recorded where
+        it is in the order; the caller then takes part in its all-gathers
+        (pre) or reshards as its post-forward would (post)."""
+        record = self._record
         record.clock = walk.base + k
         if pre:
             record.record_pre(unit)
             walk.held[unit] = k
-            # its all-gathers and forward prefetch, as its pre-forward would
-            trace("skipped", unit.fqn, "all-gather")
-            unit.sync_requires_grad()  # (whether it reduces must match where it runs)
-            with label("skipped", unit.fqn):
-                ctx.gather(unit, Gather.SKIPPED)
-            return
-        walk.held.pop(unit, None)
-        trace("skipped", unit.fqn, "end")  # ... and the reshard of its post-forward
-        ctx.reshard(unit, Reshard.AFTER_FORWARD,
-                    grad_follows=flag == GRAD and ctx.in_training_forward)
-        if ctx.in_training_forward and flag != NO_BACKWARD:
-            record.enter_orders(unit)  # no gradient here: zero-filled, see [Note:
-            # collective order] in _backward_schedule.py
+        else:
+            walk.held.pop(unit, None)
+        return (k, pre, unit, flag)
 
     def _end_walk(self, walk: "_Walk") -> None:
         """The root's forward ends: label this forward's checkpoint regions
         from the order, and keep what a training forward agreed on."""
         self.walk = None
-        order, training = walk.order, self.ctx.in_training_forward
+        order, training = walk.order, walk.training
         if walk.agree:
             if training:
                 self._label_regions(walk)
-            walk.learned.add(order, self.ctx.units)
+            walk.learned.add(order, self._units)
         if not training:
             return
         for k in range(len(order)):
             if order.pre[k] and order.region[k] >= 0:  # rank-independent keys (see the Note)
-                self.ctx.record.add_region(order.units[k], (walk.base, order.region[k]))
+                self._record.add_region(order.units[k], (walk.base, order.region[k]))
 
     def _label_regions(self, walk: "_Walk") -> None:
         """Label each agreed pre event with its checkpoint region: the same
@@ -255,14 +252,14 @@ class ForwardTracker:
         with (the shard groups, then the replicate groups: HSDP)."""
         if self._order_pgs is None:
             shard, replicate = [], []
-            for u in self.ctx.units:
+            for u in self._units:
                 for g in u.groups:
                     if g.world > 1 and g.pg not in shard:
                         shard.append(g.pg)
                     if g.replicate_pg is not None and g.replicate_pg not in replicate:
                         replicate.append(g.replicate_pg)
             self._order_pgs = (shard, replicate)
-        return self.ctx.streams.min_across(values, *self._order_pgs)
+        return self._streams.min_across(values, *self._order_pgs)
 
     def _departure(self, walk: "_Walk", pre: bool, unit: Unit, blocked: int | None):
         order = walk.order
@@ -281,6 +278,15 @@ class ForwardTracker:
                           f"{order.describe(walk.next)} (next: event {walk.next}; +unit: its "
                           "forward starts, -unit: it ends). Going on would issue all-gathers "
                           "in an order the other ranks do not.", _ORDER_FIX)
+
+def _region_here(training: bool):
+    """The activation-checkpoint region a unit's forward starts in (see
+    _backward_plan._slots): a non-reentrant one's while grad is on, a
+    reentrant one's for a no-grad island of a training forward."""
+    if torch.is_grad_enabled():
+        return _compat.checkpoint_region()
+    return _compat.reentrant_checkpoint_region() if training else None
+
 
 LEARNING_FORWARDS = 8  # forwards of a kind that agree on the order while a unit is missing
 _OPEN_MAX = 1 << 40    # agreement codes of post events (see ForwardTracker._agree)
@@ -313,9 +319,11 @@ class _Learned:
 class _Walk:
     """One root forward, followed event by event (see [Note: forward order])."""
 
-    def __init__(self, order: ForwardOrder, agree: bool, base: int, learned: _Learned):
+    def __init__(self, order: ForwardOrder, agree: bool, base: int, learned: _Learned,
+                 training: bool):
         self.order = order    # the learned order, or (agree) the one agreed in this forward
         self.agree = agree
+        self.training = training  # a training forward of the root
         self.learned = learned
         self.next = 0         # (follow) the index of the next event expected
         self.base = base      # the clock at the root's pre-forward: event k is at base + k + 1

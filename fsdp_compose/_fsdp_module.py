@@ -19,6 +19,7 @@ from ._common import Gather, Kept, TrainingState, root_setting_fix, unit_error
 from ._flat_group import FlatGroup
 from ._registry import SHARDED, unit_of
 from ._row_dtensor import local_of
+from ._state import hook_grads, post_forward, pre_forward, root_of
 from ._unit import Unit
 
 
@@ -96,7 +97,7 @@ class FSDPModule(_TorchFSDPModule):
         backward).
         """
         unit = self._unit()
-        unit.root_context().gather(unit, Gather.USER)
+        root_of(unit).gather(unit, Gather.USER)
         unit.keep(Kept.USER)
         handle = UnshardHandle(unit)
         if async_op:
@@ -395,7 +396,8 @@ def _before_apply(units: list[Unit]) -> None:
                              f"to_empty ...) inside forward or backward (state {u.state.name}).",
                              "Cast or move the model between steps.")
     for ctx in {id(u.ctx): u.ctx for u in units if u.ctx is not None}.values():
-        ctx.finish_in_flight()  # a reduce-scatter left in flight (set_is_last_backward(False))
+        # a reduce-scatter left in flight (set_is_last_backward(False))
+        ctx.reductions.finish_in_flight()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     for u in units:
         u.keep(Kept.NO)
@@ -452,6 +454,7 @@ def _adopt_unit(u: Unit) -> bool:
     for g, ps in zip(u.groups, held):
         g.adopt_params(ps)
     u.hook_groups()
+    hook_grads(u)
     return True
 
 
@@ -513,13 +516,13 @@ def add_forward_hooks(unit: Unit, m: nn.Module) -> None:
 
 def _pre_forward_hook(unit: Unit, entry: str = "forward"):
     def hook(module, args, kwargs):
-        return unit.pre_forward(module, args, kwargs, entry)
+        return pre_forward(unit, args, kwargs, entry)
     return torch.compiler.disable(hook, reason=_EAGER)  # see [Note: torch.compile]
 
 
 def _post_forward_hook(unit: Unit):
     def hook(module, args, output):
-        return unit.post_forward(module, args, output)
+        return post_forward(unit, output)
     return torch.compiler.disable(hook, reason=_EAGER)  # see [Note: torch.compile]
 
 

@@ -25,7 +25,7 @@ from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
 from ._job import job
 from ._layout import GRANULARITIES
 from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
-from ._state import assign_fqns, lazy_init_root
+from ._state import assign_fqns, hook_grads
 from . import _torch_hooks
 from ._unit import Unit
 
@@ -118,7 +118,7 @@ def _reduce_scatter_group(pg):
     world size 1), for fully_shard's reduce-scatters and their used-flags
     only: all-gathers and reduce-scatters each follow their own
     rank-independent order, so they must not share a group ([Note:
-    collective order] in _backward_schedule.py), and the point-to-point
+    collective order] in _backward_plan.py), and the point-to-point
     exchanges of [Note: gloo collectives] (_collectives.py) must meet no one
     else's messages there.
 
@@ -321,7 +321,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None,  # type: ignore[misc]
     groups = (_build_groups(params, label, device, mesh, mp_policy, offload, post_forward_size,
                             shard_granularity) if params else [])
     unit = Unit(modules, groups, reshard_after_forward=reshard_after_forward, label=label,
-                mp_policy=mp_policy, device=device, lazy_init_root=lazy_init_root)
+                mp_policy=mp_policy, device=device)
+    hook_grads(unit)
     _attach(unit, modules, params, device)
     return module
 

@@ -246,14 +246,8 @@ class GradientPath:
         self.settings = ReduceSettings()  # the unit's (Unit.update_settings)
         self._used = [False] * len(group.entries)  # see [Note: parameters without a gradient]
         self._flags_row: tuple | None = None  # (flags, their tensor): read-only, reused
-        # called by the split node's pre-hook after the used-flags (set by the unit, gloo)
-        self.on_grads_computed = None
         self._unsynced: torch.Tensor | None = None   # accumulated flat grad in reduce dtype
         self._partial: tuple | None = None  # HSDP: (reduce-scattered, flags), not all-reduced
-
-    def set_grads_computed_hook(self, hook) -> None:
-        """The unit's ``_grads_computed`` (gloo): [Note: gloo backward]."""
-        self.on_grads_computed = hook
 
     def _move_grad_state(self, flat_grad: torch.Tensor | None) -> None:
         """After ``adopt_params`` re-made the storage: what a backward left
@@ -272,14 +266,12 @@ class GradientPath:
 
     def _before_split_backward(self, grad_outputs) -> None:
         """The split node's pre-hook: note which views got a gradient (None:
-        none, see [Note: parameters without a gradient]), then tell the unit
-        (see [Note: gloo backward] in _backward_schedule.py)."""
+        none, see [Note: parameters without a gradient]). (On gloo the root's
+        own pre-hook on the node runs next: [Note: gloo backward] in _state.py.)"""
         used = self._used
         for k, i in enumerate(self.group._view_at):
             if grad_outputs[i] is not None:
                 used[k] = True
-        if self.on_grads_computed is not None:
-            self.on_grads_computed(grad_outputs)
 
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
         """``buf`` becomes the gradient shard of the entries in ``take`` (an

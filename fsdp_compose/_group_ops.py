@@ -2,7 +2,7 @@
 issues, for a *bucket* of flat groups (one group alone is a bucket of one).
 
 Only the schedule calls these (``_state.RootContext.gather`` and
-``_backward_schedule.BackwardSchedule``); nothing else imports this module or
+``_backward_schedule.Reductions.launch``); nothing else imports this module or
 the bucket functions below it (``tests/test_architecture.py``). Each list of
 units is rank-independent (the schedule's orders), so every rank issues the
 same collectives in the same order.

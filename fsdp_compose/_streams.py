@@ -25,7 +25,7 @@ once per root; the all-reduce stream when an HSDP unit first needs it:
   switching, and the Pending keeps it alive until compute waited E2: a block
   is freed only once compute is ordered after its last use (no record_stream).
 - Nothing blocks the CPU (``waits_block_cpu`` False): the backward schedule is
-  FSDP2's (gloo's: [Note: gloo backward] in _backward_schedule.py).
+  FSDP2's (gloo's: [Note: gloo backward] in _state.py).
 
 [Note: post-reduce] What follows a reduce-scatter on CUDA (post-divide, cast,
 fold into ``p.grad``, offload's non-blocking copy to pinned host memory) runs
@@ -312,6 +312,11 @@ class StreamManager:
         return torch.empty(numel, dtype=dtype, device=device)
 
     @staticmethod
+    def holder_of(kind: str, dtype: torch.dtype, device: torch.device):
+        """Nothing is kept (fresh buffers)."""
+        return None
+
+    @staticmethod
     def release(buf: torch.Tensor) -> None:
         """``buf`` (from ``bucket``) is no longer read or written."""
 
@@ -432,7 +437,7 @@ class BlockingStreams:
     CPU, no stream runtime): collectives are issued ``async_op=True`` on the
     default stream, host copies are plain copies, and the backward frees a
     unit's parameters once its gradients are computed ([Note: gloo backward]
-    in _backward_schedule.py, read from ``waits_block_cpu``). Bucket buffers
+    in _state.py, read from ``waits_block_cpu``). Bucket buffers
     are kept (see ``bucket``)."""
 
     waits_block_cpu = True
@@ -473,21 +478,26 @@ class BlockingStreams:
         per root, made at the first bucket (regrown to the largest seen) and
         kept: a bucket costs its size once instead of leaving heap holes
         several times a step (docs/design.md, "Peak RSS of small units"). A
-        buffer still in use when the next bucket of its kind comes is flushed
-        by its ``holder`` (an all-gather bucket copies its remaining chunks
-        out, _flat_group._GatherBucketWork) or, without one (a reduce-scatter
-        in flight; a backward that raised with one in flight: gloo may still
-        write it), not handed out again: that bucket gets a fresh tensor."""
+        buffer still in use when the next bucket of its kind comes (its
+        ``holder``, see ``holder_of``) is not handed out again: that bucket
+        gets a fresh tensor. The caller flushes a holder it can flush first
+        (an all-gather bucket copies its remaining chunks out,
+        _flat_group.gather_bucket); one it cannot (a reduce-scatter in flight;
+        a backward that raised with one in flight: gloo may still write it)
+        keeps the buffer."""
         key = (kind, dtype, device)
         kept = self._buckets.get(key)
-        if kept is not None and kept[1] is not None and hasattr(kept[1], "flush"):
-            kept[1].flush()  # (releases it)
         if kept is not None and kept[1] is not None:
             return torch.empty(numel, dtype=dtype, device=device)
         if kept is None or kept[0].numel() < numel:
             kept = self._buckets[key] = [torch.empty(numel, dtype=dtype, device=device), None]
         kept[1] = holder if holder is not None else True
         return kept[0][:numel]
+
+    def holder_of(self, kind: str, dtype: torch.dtype, device: torch.device):
+        """What still holds the kept buffer of ``kind`` (None: it is free)."""
+        kept = self._buckets.get((kind, dtype, device))
+        return None if kept is None else kept[1]
 
     def release(self, buf: torch.Tensor) -> None:
         for kept in self._buckets.values():

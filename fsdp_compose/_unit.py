@@ -1,12 +1,12 @@
-"""One fully_shard unit: its modules, flat groups, hooks, settings and training state.
+"""One fully_shard unit: its modules, flat groups, settings and training state.
 
-[Note: who decides] A unit *reports* its hooks' events to the root
-(``record_forward``, ``forward_end``, ``on_backward_hook``, ``pre_backward``,
-``grads_computed``, ``grads_ready``); the schedule (``RootContext``,
-``BackwardSchedule``) *decides* what is gathered, freed and reduced and issues
-it through ``_group_ops``. The unit's acts (``wait_for_unshard``, ``reshard``)
-touch only its own groups, never calling back into the root; it writes only
-its own fields; each hook moves its ``TrainingState`` along ``_MOVES`` or raises:
+[Note: who decides] A unit acts on its own groups and writes only its own
+fields; it never calls the root. The hooks are the root's (``_state.py``):
+each enters ``RootContext``, which *decides* what is gathered, freed and
+reduced, issues it through ``_group_ops``, and calls the unit's acts
+(``wait_for_unshard``, ``reshard``) and bookkeeping (``start_backward``,
+``end_backward``, ``note_use`` ...). Each event moves the unit's
+``TrainingState`` along ``_MOVES`` or raises:
 
     pre_forward    all-gathered, full-shape views installed      IDLE -> FORWARD
     post_forward   pre-backward hook on the outputs; the root's
@@ -24,24 +24,22 @@ unsharded until its post-backward (or the root's final callback).
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
 
 from . import _compat
-from ._common import (Gather, Kept, ReduceSettings, RootSettings, ShardedState,
-                      TrainingState, UnitSettings, label, trace, unit_error, weak_hook)
+from ._common import (Kept, ReduceSettings, RootSettings, ShardedState,
+                      TrainingState, UnitSettings, trace, unit_error)
 from ._flat_group import FlatGroup
-from ._forward_order import GRAD, ISLAND, NO_BACKWARD
 
 if TYPE_CHECKING:
     from ._state import RootContext
 
 _REDUCE_FIELDS = {f.name for f in fields(ReduceSettings)}
 # where a backward hook may find the unit (not inside its own forward)
-_IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 # the states each state is entered from (Unit._enter); the root's reset moves
 # any state to IDLE (finish_backward)
 _MOVES = {
@@ -59,12 +57,8 @@ _MOVES = {
 class Unit:
     def __init__(self, modules: list[nn.Module], groups: list[FlatGroup], *,
                  reshard_after_forward: bool | None, label: str, mp_policy=None,
-                 device: torch.device = torch.device("cpu"),
-                 lazy_init_root: Callable[["Unit"], None]):
+                 device: torch.device = torch.device("cpu")):
         self.modules = modules
-        # _state.lazy_init_root, passed in by fully_shard: _state imports this
-        # module, so this one never imports _state (docs/architecture.md)
-        self._lazy_init_root = lazy_init_root
         self.groups = groups
         self.device = device  # its mesh's device (a root without parameters takes it)
         # groups whose flat gradient we reduce (a direct group's Parameters get
@@ -94,16 +88,14 @@ class Unit:
         self.hook_groups()
 
     def hook_groups(self) -> None:
-        """Find the trainable groups and hook their flat gradients. Again after
-        a cast or move re-made every group's flat (FSDPModule._apply): which
-        groups are direct may have changed."""
+        """Find the trainable groups. Again after a cast or move re-made every
+        group's flat (FSDPModule._apply): which groups are direct may have
+        changed. (Their flat gradients' hooks are the root's: ``_state.hook_grads``.)"""
         self.trainable = [g for g in self.groups if g.requires_grad and not g.direct]
         self.trains = tuple(g.requires_grad for g in self.groups)
         self._ready.clear()
         for g in self.groups:
             g.grad.settings = self.settings.reduce
-            if not g.direct:  # (registered on the flat whenever it requires grad)
-                g.set_grad_hook(weak_hook(self, "_on_grad_accumulated", g))
 
     def __repr__(self) -> str:
         return f"Unit({self.fqn or '<root>'!r}, groups={len(self.groups)}, {self.state.name})"
@@ -198,24 +190,18 @@ class Unit:
         if self.kept is Kept.BACKWARD:
             self.keep(Kept.NO)
 
-    def _assert_state(self, *states: TrainingState, where: str) -> None:
+    def assert_state(self, *states: TrainingState, where: str) -> None:
         if self.state not in states:
             raise unit_error(self.fqn, f"{where} expected state {[s.name for s in states]}, "
                              f"got {self.state.name}.")
 
-    def _enter(self, state: TrainingState, where: str) -> None:
+    def enter(self, state: TrainingState, where: str) -> None:
         """The state machine: every hook moves the unit along ``_MOVES`` or raises."""
         if self.state not in _MOVES[state]:
-            self._assert_state(*_MOVES[state], where=where)  # (raises)
+            self.assert_state(*_MOVES[state], where=where)  # (raises)
         self.state = state
 
     # ----------------------------------------------------------- unshard/reshard
-    def root_context(self) -> "RootContext":
-        """Its root's context, made by lazy init at the first use."""
-        if self.ctx is None:
-            self._lazy_init_root(self)
-        return self.ctx  # type: ignore[return-value]
-
     def would_gather(self) -> bool:
         """Gathering it now issues a collective: some group is sharded (or
         PARTIAL) over more than one rank."""
@@ -280,36 +266,7 @@ class Unit:
                         "the whole model), which casts the shards; or do it before fully_shard.")
 
     # ------------------------------------------------------------------ forward
-    def pre_forward(self, module: nn.Module, args, kwargs, entry: str = "forward"):
-        """``entry``: the method run (``forward``, or one registered with
-        register_fsdp_forward_method)."""
-        ctx = self.root_context()
-        if _compat.in_backward():  # see [Note: recomputation]
-            trace("pre_forward_recompute", self.fqn, self.state.name)
-            if not ctx.expects_backward(self):  # reentrant: this use's gradient comes next
-                self._uses_seen += 1
-            with _compat.functorch_disabled():
-                ctx.gather(self, Gather.RECOMPUTE)
-                self._refresh_views()
-                self.wait_for_unshard()
-            return self._cast(self._cast_inputs, (args, kwargs))
-        if self._forward_depth == 0:
-            self.check_params(direct=False)
-            if self.is_root:
-                ctx.root_pre_forward(entry)
-            self._assert_state(TrainingState.IDLE, where="pre_forward")
-            with label("pre_forward", self.fqn), _compat.functorch_disabled():
-                gather = ctx.record_forward(self)  # (first: units skipped here, _forward_walk.py)
-                trace("pre_forward", self.fqn, self.state.name)
-                self.sync_requires_grad()
-                self._enter(TrainingState.FORWARD, "pre_forward")
-                if gather:
-                    ctx.gather(self, Gather.FORWARD)
-                self._refresh_views()
-                self.wait_for_unshard()
-        self._forward_depth += 1
-        return self._cast(self._cast_inputs, (args, kwargs))
-
+    # (the hooks are the root's, _state.py: it calls these acts and reads)
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_()`` called on the sharded Parameters since the
         last forward (see FlatGroup.sync_requires_grad)."""
@@ -331,67 +288,46 @@ class Unit:
 
         return _compat.tree_map_tensors(cast, tree)
 
-    def _refresh_views(self) -> None:
-        """After ``unshard()`` (views need the storage), under grad: new views
-        for each trainable group, and for any whose ``requires_grad`` changed.
-        An aliased group (world size 1, no cast) reuses its views: its
-        post-backward, late with an old split node ([Note: tensor vocabulary]
-        in _flat_group.py), frees and reduce-scatters nothing. On gloo each new
-        split node reports to ``_grads_computed``."""
-        if torch.is_grad_enabled():
-            hook = self.ctx.streams.waits_block_cpu  # type: ignore[union-attr]
-            for g in self.groups:
-                trains = g.requires_grad and not g.direct
-                # (any group whose requires_grad changed: its views must follow)
-                if not (g._views_stale or (trains and not g.aliased)):
-                    continue
-                g.refresh_views()
-                if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    if g.grad.on_grads_computed is None:  # (called by the split node's pre-hook)
-                        g.grad.set_grads_computed_hook(weak_hook(self, "_grads_computed", g))
-                    self.grads_hooked = True
+    def cast_inputs(self, args, kwargs):
+        """``(args, kwargs)`` cast to the policy's dtype (None: no cast)."""
+        return self._cast(self._cast_inputs, (args, kwargs))
 
-    @_compat.outside_functorch
-    def _grads_computed(self, group: FlatGroup, _grad_outputs) -> None:
-        """``group``'s split node is about to assemble its flat gradient (gloo):
-        see [Note: gloo backward] in _backward_schedule.py."""
-        self._assert_state(*_IN_BACKWARD, where="grads_computed")
-        self.ctx.grads_computed(self, group)  # type: ignore[union-attr]
+    def cast_outputs(self, output):
+        """``output`` cast to the policy's output dtype, if it has one."""
+        return output if self._cast_outputs is None else self._cast(self._cast_outputs, output)
 
-    def post_forward(self, module: nn.Module, args, output):
-        with label("post_forward", self.fqn):  # (hook time: benchmarks/gpu_check.py)
-            return self._post_forward(output)
+    def in_forward(self) -> bool:
+        """A module of this unit runs its forward now (not a recomputation)."""
+        return self._forward_depth > 0
 
-    def _post_forward(self, output):
-        if self._cast_outputs is not None:  # (recomputation too: same saved tensors)
-            output = self._cast(self._cast_outputs, output)
-        if _compat.in_backward():  # see [Note: recomputation]
-            return output
+    def enter_module(self) -> None:
+        """A module of this unit starts its forward (after the pre-forward's work)."""
+        self._forward_depth += 1
+
+    def leave_module(self) -> bool:
+        """A module of this unit ended its forward (its post-forward); returns
+        whether another module of the unit still runs."""
         self._forward_depth -= 1
         self._posted = True
-        if isinstance(output, torch.Tensor):  # fast path: skip the pytree walk
-            outs = [output] if output.requires_grad else []
-        else:
-            outs = [t for t in _compat.tree_leaves(output)
-                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        if len(outs) == 1:  # the common case: a plain tensor hook is cheaper
-            outs[0].register_hook(self._pre_backward)
-        elif outs:
-            register_multi_grad_hook(outs, self._pre_backward, mode="any")
-        if outs and torch.is_grad_enabled():
-            self.uses += 1
-        elif not torch.is_grad_enabled() and self.ctx.in_training_forward:  # type: ignore[union-attr]
-            self.uses += 1  # a no-grad island in a training step: maybe a reentrant region
-        if self._forward_depth > 0:  # another module of this unit is still running
-            return output
-        self._assert_state(TrainingState.FORWARD, where="post_forward")
-        grad_follows = torch.is_grad_enabled() and bool(outs)
-        island = not torch.is_grad_enabled() and self.ctx.in_training_forward  # type: ignore[union-attr]
-        with _compat.functorch_disabled():  # (first: units skipped here, _forward_walk.py)
-            self.ctx.forward_end(  # type: ignore[union-attr]
-                self, GRAD if grad_follows else ISLAND if island else NO_BACKWARD)
-        self._enter(TrainingState.IDLE, "post_forward")
-        return output
+        return self._forward_depth > 0
+
+    def note_use(self) -> None:
+        """A forward call this step whose outputs will see a backward."""
+        self.uses += 1
+
+    def note_use_seen(self) -> None:
+        """A use's output gradient arrived (its pre-backward)."""
+        self._uses_seen += 1
+
+    def note_grads_hooked(self) -> None:
+        """A group's split node reports its gradients this backward (gloo)."""
+        self.grads_hooked = True
+
+    def group_ready(self, group: FlatGroup) -> bool:
+        """``group``'s flat gradient accumulated; returns whether every
+        trainable group's has, in this backward."""
+        self._ready.add(group)
+        return len(self._ready) == len(self.trainable)
 
     def forward_ended(self) -> None:
         """After each forward of the root's modules, also one that raised (an
@@ -405,30 +341,12 @@ class Unit:
         self._posted = False
 
     # ----------------------------------------------------------------- backward
-    @_compat.outside_functorch
-    def _pre_backward(self, _grad) -> None:
-        """A gradient reached its outputs: report it (the schedule gathers and
-        decides, ``BackwardSchedule.pre_backward``)."""
-        self.ctx.on_backward_hook()  # type: ignore[union-attr]
-        self._uses_seen += 1
-        self.ctx.pre_backward(self)  # type: ignore[union-attr]
-
     def start_backward(self) -> None:
         """Its backward (again, after POST_BACKWARD: another use's gradient)
         starts; the gradients arrived so far are a part."""
         if self.state is TrainingState.POST_BACKWARD:
             self._ready.clear()
-        self._enter(TrainingState.PRE_BACKWARD, "pre_backward")
-
-    @_compat.outside_functorch
-    def _on_grad_accumulated(self, group: FlatGroup, _flat: torch.Tensor) -> None:
-        with label("post_backward", self.fqn):
-            self._assert_state(*_IN_BACKWARD, where="post_backward")
-            ctx = self.root_context()
-            ctx.on_backward_hook(grad_arrived=True)
-            self._ready.add(group)
-            if len(self._ready) == len(self.trainable):  # all in: the schedule decides
-                ctx.grads_ready(self)
+        self.enter(TrainingState.PRE_BACKWARD, "pre_backward")
 
     def more_uses_to_come(self) -> bool:
         """Forward uses of this step whose output gradient has not arrived yet."""
@@ -441,7 +359,7 @@ class Unit:
 
     def end_backward(self) -> None:
         """All its gradients are in (the schedule reduces them now)."""
-        self._enter(TrainingState.POST_BACKWARD, "post_backward")
+        self.enter(TrainingState.POST_BACKWARD, "post_backward")
 
     def completes_reduction(self) -> bool:
         """Reducing now ends in p.grad: gradient sync on and, with HSDP, the

@@ -761,7 +761,7 @@ def test_activation_checkpointing(ws, name):
 
 # Reentrant checkpoints AROUND units run those units' forwards without grad;
 # the units still join the backward's gather and reduce orders at the place of
-# their forward (see [Note: collective order] in _backward_schedule.py), so in backward
+# their forward (see [Note: collective order] in _backward_plan.py), so in backward
 # they are gathered and reduce-scattered in buckets like the others.
 def _bucketed_ac_params():
     return [pytest.param(n, id=n) for n in _cases("ac_bucketed/")]

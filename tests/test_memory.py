@@ -43,7 +43,7 @@ def _alloc_order(rank, world):
     m = _stack(4, 16, 64)
     log = []
     alloc, free, drain = (_flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat,
-                          _backward_schedule.BackwardSchedule.finish_in_flight)
+                          _backward_schedule.Reductions.finish_in_flight)
 
     def logged_alloc(g):
         log.append(("alloc", g.unit_fqn))
@@ -62,14 +62,14 @@ def _alloc_order(rank, world):
     m(x).sum().backward()
     _flat_group.FlatGroup._alloc_flat = logged_alloc
     _flat_group.FlatGroup._free_flat = logged_free
-    _backward_schedule.BackwardSchedule.finish_in_flight = logged_drain
+    _backward_schedule.Reductions.finish_in_flight = logged_drain
     try:
         loss = m(x).sum()
         del log[:]
         loss.backward()
     finally:
         _flat_group.FlatGroup._alloc_flat, _flat_group.FlatGroup._free_flat = alloc, free
-        _backward_schedule.BackwardSchedule.finish_in_flight = drain
+        _backward_schedule.Reductions.finish_in_flight = drain
     return log
 
 

@@ -226,7 +226,7 @@ def last_backward(rank, world):
 
         def each(model, k, micro, left_in_flight=left_in_flight):
             if k > 0:  # what the previous (non-last) backward left behind
-                left_in_flight.append(len(model._unit().ctx.backward.in_flight))
+                left_in_flight.append(len(model._unit().ctx.reductions.in_flight))
             model.set_is_last_backward(k == micro - 1)
 
         problems, counts = _fp32_parity(rank, world, micro=3, each_micro=each, per_unit=per_unit)
@@ -250,14 +250,14 @@ def no_overlap(rank, world):
         def after_forward(model, problems, launcher="_launch", in_flight=in_flight):
             model.set_overlap_reduce_scatter(False)
             model.set_prefetch_depth(0)
-            schedule = model._unit().ctx.backward
-            if launcher not in schedule.__dict__:
-                launch = getattr(schedule, launcher)
+            ctx = model._unit().ctx
+            if launcher not in ctx.__dict__:
+                launch = getattr(ctx, launcher)
 
                 def spy(*args, **kwargs):
                     launch(*args, **kwargs)
-                    in_flight.append(len(schedule.in_flight))
-                setattr(schedule, launcher, spy)
+                    in_flight.append(len(ctx.reductions.in_flight))
+                setattr(ctx, launcher, spy)
 
         problems, _ = _fp32_parity(rank, world, after_forward=after_forward, per_unit=per_unit)
         if world > 1 and (not in_flight or any(in_flight)):

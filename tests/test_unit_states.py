@@ -23,7 +23,7 @@ def test_a_step_moves_along_the_table():
                         (S.PRE_BACKWARD, "pre_backward"), (S.PRE_BACKWARD, "pre_backward"),
                         (S.POST_BACKWARD, "post_backward"), (S.PRE_BACKWARD, "pre_backward"),
                         (S.POST_BACKWARD, "post_backward")):
-        u._enter(state, hook)
+        u.enter(state, hook)
         assert u.state is state
 
 
@@ -37,7 +37,7 @@ def test_a_wrong_move_raises_naming_the_unit_and_both_states(start, to, hook):
     u = _unit(start)
     allowed = [s.name for s in _MOVES[to]]
     with pytest.raises(RuntimeError) as e:
-        u._enter(to, hook)
+        u.enter(to, hook)
     assert f"unit 'blocks.0': {hook} expected state {allowed}, got {start.name}." in str(e.value)
     assert u.state is start  # (unchanged)
 

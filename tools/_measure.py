@@ -72,7 +72,7 @@ class Tracker:
                 s = g.flat.grad.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
         ctx = self.units[0].ctx
-        for launch in (ctx.backward.in_flight if ctx is not None else []):
+        for launch in (ctx.reductions.in_flight if ctx is not None else []):
             if launch.done or launch.pending is None:
                 continue
             # the input only: on the side-stream (CUDA) path the Pending also

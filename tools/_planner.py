@@ -37,10 +37,12 @@ parameter gradients before the flat gradient is assembled, activations.
 
 The forward is recorded in the package's ``StepRecord`` and the backward
 follows the package's ``BackwardPlan`` (``_backward_plan.build_plan``: gather
-and reduce orders, slots, prefetch stops, reduce buckets), as RootContext's
-backward does; what the replay adds is memory and collective bookkeeping.
+and reduce orders, slots, prefetch stops, reduce buckets), walked by the
+package's ``PlanWalker``, as RootContext's backward does: the walker returns
+the all-gathers and reduce-scatters due, and the replay performs them with
+sizes (memory and collective bookkeeping) where the runtime issues them.
 
-Two backward schedules, as in [Note: gloo backward] (_backward_schedule.py):
+Two backward schedules, as in [Note: gloo backward] (fsdp_compose/_state.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
 reshard, prefetch, then wait, once a unit's gradients are computed).
@@ -50,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_compose import _layout
-from fsdp_compose._backward_plan import StepRecord, build_plan
+from fsdp_compose._backward_plan import GATHER, PlanWalker, StepRecord, build_plan
 from fsdp_compose.api import CommStats
 from fsdp_compose._grad_path import INLINE_FLAGS_BYTES
 
@@ -477,9 +479,7 @@ class Step:
                                grad_bytes=lambda u: sum(g.reduce_bytes for g in u.trainable),
                                bucket_bytes=self.rs_limit)
         self.G = list(self.plan.gather_order)
-        self.gather_next, self.next = 0, 0
-        self.ready: set[int] = set()
-        self.bucket: list[UnitInfo] = []
+        self.walker = PlanWalker(self.plan, bucketed=self.rs_limit > 0 and self.communicates)
         # A unit whose flat aliases its shard (world size 1) keeps the split
         # node made at fully_shard time: the engine runs it after the rest of
         # backward, latest-made (the root) first (see Unit._refresh_views).
@@ -512,11 +512,16 @@ class Step:
         self._wait(u)
 
     def _gather_up_to(self, stop: int, final: bool = False) -> None:
-        while self.gather_next <= stop:
-            self._issue_reductions(demand=True, final=final)
-            self.gather_next += 1
-            self._unshard(self.G[self.gather_next - 1], self.G)
-        self._issue_reductions(final=final)
+        # (every unit gets a gradient here: no zero-filled demand, gets_grad None)
+        self._perform(self.walker.up_to(stop, final=final))
+
+    def _perform(self, steps: list[tuple]) -> None:
+        """The walker's steps, as RootContext._perform does them."""
+        for step in steps:
+            if step[0] is GATHER:
+                self._unshard(step[1], self.G)
+            else:
+                self._launch(step[1], bucketed=step[2])
 
     def _unit_grads(self, u: UnitInfo) -> None:
         """Its parameter gradients are computed, assembled, accumulated."""
@@ -532,29 +537,7 @@ class Step:
             return
         self._event("post_backward", u)
         self._reshard(u)
-        self.ready.add(id(u))
-        self._issue_reductions()
-
-    def _issue_reductions(self, demand: bool = False, final: bool = False) -> None:
-        """BackwardSchedule._issue_reductions, on the same plan."""
-        plan = self.plan
-        while self.next < len(plan.reduce_order):
-            i, u = self.next, plan.reduce_order[self.next]
-            if not plan.reduces[i]:
-                self.next += 1
-                continue
-            if plan.slots[i] >= self.gather_next:
-                break
-            if id(u) not in self.ready and not final:
-                break  # (every unit gets a gradient here: no zero-filled demand)
-            self.next += 1
-            if self.rs_limit <= 0 or not self.communicates:
-                self._launch([u])
-                continue
-            self.bucket.append(u)
-            if plan.bucket_ends[i]:
-                units, self.bucket = self.bucket, []
-                self._launch(units, bucketed=True)
+        self._perform(self.walker.mark_ready(u))
 
     def _launch(self, units: list[UnitInfo], bucketed: bool = False) -> None:
         self._drain()
@@ -605,7 +588,6 @@ class Step:
     def _final(self) -> None:
         self._event("final_callback", self.root)
         self._gather_up_to(len(self.G) - 1, final=True)
-        self._issue_reductions(final=True)
         self._drain()
         for u in self.units:
             self._reshard(u)
