@@ -16,14 +16,14 @@ from . import _group_ops
 from ._common import label, trace
 
 if TYPE_CHECKING:
-    from ._streams import StreamManager
+    from ._streams import Backend
     from ._unit import Unit
 
 
 class Reductions:
     """The reduce-scatters in flight of one root (see the module docstring)."""
 
-    def __init__(self, streams: StreamManager):
+    def __init__(self, streams: Backend):
         self.streams = streams
         # units in the reduce order of a backward that did not finish their
         # reduction (Unit.completes_reduction), not finished since: every rank

@@ -7,22 +7,8 @@ issues them with ``async_op=False`` inside its side-stream context: c10d then
 launches the NCCL kernel on that (current) stream, and the returned handle is
 already complete (see [Note: side streams] in _streams.py).
 
-[Note: gloo collectives]
-gloo's tensor all-gather and reduce-scatter are not in place (temporaries of
-the whole input or output, page-faulted in each time), so for CPU tensors on
-gloo we issue what they are made of, in place on our own buffers:
-* all-gather = one ``broadcast`` per rank of that rank's chunk of the output;
-* reduce-scatter = ``all_reduce`` of the flat gradient in place, our chunk
-  copied out when the caller waits (the rest is garbage the caller drops);
-* over 2 ranks, input at most ``P2P_MAX_BYTES``: a point-to-point exchange
-  (``isend`` the peer's chunk, ``irecv`` ours into the result, our own chunk
-  added at the wait: one addition, the all-reduce's bits), which leaves no
-  scratch in gloo's worker-thread heaps. Larger inputs and more ranks keep
-  the all-reduce (memory in flight; a 3-term sum in another order changes
-  bits). Messages match by (peer, tag) in issue order, so the group carries
-  no one else's: it is fully_shard's own (_fully_shard._reduce_scatter_group).
-NCCL keeps its reduce-scatter and all-gather. Measurements: docs/design.md,
-"Choosing the collective (gloo)" and "Peak RSS of small units".
+The gloo in-place paths (all-gather as broadcasts, reduce-scatter as an
+all-reduce or a 2-rank exchange) are in _gloo.py ([Note: gloo collectives]).
 
 [Note: padded collectives]
 Uneven pieces ([Note: shard layout] in _layout.py) on every backend but gloo
@@ -47,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _divergence
+from . import _divergence, _gloo
 from ._common import all_gather_tensor, group_backends, reduce_scatter_tensor
 from ._job import job
 from .api import CommStats
@@ -88,21 +74,6 @@ def issued() -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-P2P_MAX_BYTES = 1 << 20  # 2-rank gloo reduce-scatters up to this input: an exchange (the Note)
-
-
-def _in_place_gloo(t: torch.Tensor, group) -> tuple[int, int] | None:
-    """(rank, size) when ``t`` takes the in-place gloo path (see the Note), else None."""
-    if t.device.type != "cpu":
-        return None
-    key = group if group is not None else dist.group.WORLD
-    cache = job().gloo  # (process group -> (rank, size) in it if it is gloo, else None)
-    if key not in cache:
-        gloo = dist.get_backend(group) == "gloo"
-        cache[key] = (dist.get_rank(group), dist.get_world_size(group)) if gloo else None
-    return cache[key]
 
 
 class _Works:
@@ -154,15 +125,6 @@ def _pieces(t: torch.Tensor, world: int, bounds: tuple | None) -> list[torch.Ten
     if bounds is None:
         return list(t.view(world, -1))
     return [t[a:b] for a, b in zip(bounds, bounds[1:])]
-
-
-def _uneven_in_place(group, t: torch.Tensor) -> tuple[int, int] | None:
-    """(rank, size) when uneven pieces of ``t`` go through our own gloo
-    collectives (gloo's list collectives take equal sizes only), else None."""
-    gloo = _in_place_gloo(t, group)
-    if gloo is not None or dist.get_backend(group) != "gloo":
-        return gloo
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 # A test seam: groups built while it is True take the padded path on gloo too
@@ -308,16 +270,12 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
         _stats().all_gather_bytes += (len(bounds) - 1) * slot * output.element_size()
         return _padded_all_gather(output, shard, group, async_op, bounds, slot, at)
     _stats().all_gather_bytes += _nbytes(output)
-    gloo = _in_place_gloo(output, group) if bounds is None else _uneven_in_place(group, output)
+    gloo = _gloo.in_place(output, group) if bounds is None else _gloo.uneven(group, output)
     if gloo is None:
         work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
         return work if async_op else _Works([])
-    rank, world = gloo
-    chunks = _pieces(output, world, bounds)
-    if chunks[rank].data_ptr() != shard.data_ptr():
-        chunks[rank].copy_(shard)
-    works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=async_op)
-             for r in range(world) if bounds is None or chunks[r].numel()]
+    works = _gloo.all_gather(_pieces(output, gloo[1], bounds), shard, group, gloo[0],
+                             async_op, skip_empty=bounds is not None)
     return _Works(works if async_op else [], at)
 
 
@@ -340,8 +298,8 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         _stats().reduce_scatter_bytes += (len(bounds) - 1) * slot * flat_grad.element_size()
         return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, slot, at)
     _stats().reduce_scatter_bytes += _nbytes(flat_grad)
-    gloo = (_in_place_gloo(flat_grad, group) if bounds is None
-            else _uneven_in_place(group, flat_grad))
+    gloo = (_gloo.in_place(flat_grad, group) if bounds is None
+            else _gloo.uneven(group, flat_grad))
     if gloo is None:
         world = dist.get_world_size(group)
         if out is None:
@@ -349,39 +307,14 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
         work = _reduce_scatter_tensor(out, flat_grad, op=op, group=group, async_op=async_op)
         return ReduceScatterWork(work if async_op else None, out)
     rank, world = gloo
-    if async_op and world == 2 and _nbytes(flat_grad) <= P2P_MAX_BYTES:
-        return _exchange(flat_grad, group, op, out, rank, at, bounds)
-    mine = _pieces(flat_grad, world, bounds)[rank]
-    if out is not None:
-        def finish():
-            return torch.div(mine, world, out=out) if op == dist.ReduceOp.AVG else out.copy_(mine)
-    elif op == dist.ReduceOp.AVG:
-        finish = lambda: torch.div(mine, world)  # noqa: E731
-    else:
-        finish = mine.clone
-    work = dist.all_reduce(flat_grad, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    chunks = _pieces(flat_grad, world, bounds)
+    if async_op and _gloo.exchanges(world, _nbytes(flat_grad)):
+        works, finish = _gloo.exchange(chunks, group, op, out, rank)
+        return ReduceScatterWork(_Works(works, at), None, finish)
+    work, finish = _gloo.reduce_scatter(flat_grad, chunks[rank], group, op, out, world, async_op)
     if not async_op:
         return ReduceScatterWork(None, finish())
     return ReduceScatterWork(work, None, finish, at)
-
-
-def _exchange(flat_grad: torch.Tensor, group, op, out, rank: int, at,
-              bounds: tuple | None = None) -> ReduceScatterWork:
-    """A small reduce-scatter over 2 gloo ranks as a point-to-point exchange
-    (see the Note): the peer's chunk out, ours in, one addition."""
-    chunks = _pieces(flat_grad, 2, bounds)
-    res = out if out is not None else flat_grad.new_empty(chunks[rank].numel())
-    peer = 1 - rank
-    works = [dist.isend(chunks[peer], group=group, group_dst=peer),
-             dist.irecv(res, group=group, group_src=peer)]
-
-    def finish() -> torch.Tensor:
-        res.add_(chunks[rank])  # (a + b == b + a: the all-reduce's bits)
-        if op == dist.ReduceOp.AVG:
-            res.div_(2)
-        return res
-
-    return ReduceScatterWork(_Works(works, at), None, finish)
 
 
 def all_reduce(tensor: torch.Tensor, op, group, what: tuple[str, str] | None = None,

@@ -31,7 +31,7 @@ from . import _compat, _layout
 from ._common import ShardedState, unit_error
 from ._flat_group import FlatGroup, FlatMode, _GATHER
 from ._param_entry import ExtSpec, _data_name, inner_data
-from ._streams import StreamManager
+from ._streams import Backend
 
 
 def defines_extension(t: torch.Tensor) -> bool:
@@ -251,7 +251,7 @@ class ExtensionGroup(FlatGroup):
         return self.world > 1 and self._pads
 
     # ------------------------------------------------------------------ gather
-    def unshard(self, streams: StreamManager) -> None:
+    def unshard(self, streams: Backend) -> None:
         if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:
             return
         pairs = self._start_gather()
@@ -398,7 +398,7 @@ class ExtensionGroup(FlatGroup):
         return "Extension" + super().__repr__()
 
 
-def gather_together(groups: list[ExtensionGroup], streams: StreamManager,
+def gather_together(groups: list[ExtensionGroup], streams: Backend,
                     pairs: list | None = None) -> None:
     """ONE all-gather for every tensor that the ``fsdp_pre_all_gather`` of
     ``groups`` (sharded, on one process group, world > 1) returns, as FSDP2

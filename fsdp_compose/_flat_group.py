@@ -55,7 +55,7 @@ from ._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._grad_path import GradientPath
 from ._param_entry import ParamEntry, make_entries, user_attrs
 from ._row_dtensor import local_of
-from ._streams import Pending, StreamManager
+from ._streams import Backend, Pending
 
 # which collective a unit waits for, in a DivergenceError (see _divergence.py)
 _GATHER = "the all-gather of its parameters"
@@ -438,7 +438,7 @@ class FlatGroup:
         if self._frees_storage() and self.flat.untyped_storage().nbytes() == 0:
             self._alloc_flat()
 
-    def unshard(self, streams: StreamManager) -> None:
+    def unshard(self, streams: Backend) -> None:
         """Issue the all-gather (no wait); idempotent. PARTIAL: within the
         post-forward group. Raises RuntimeError on the meta device."""
         if self.state is ShardedState.UNSHARDED or self.state is ShardedState.UNSHARDING:
@@ -563,7 +563,7 @@ class _GatherBucketWork:
     wants the kept buffer: [Note: bucket buffers] in _streams.py)."""
 
     def __init__(self, pending: Pending, groups: list[FlatGroup], buf: torch.Tensor,
-                 streams: StreamManager):
+                 streams: Backend):
         self._pending, self._buf, self._streams = pending, buf, streams
         self._at: dict[int, tuple[FlatGroup, int]] = {}
         at = 0
@@ -603,7 +603,7 @@ class _GroupShare:
         return self._work.wait_group(self._group)
 
 
-def gather_bucket(groups: list[FlatGroup], streams: StreamManager) -> None:
+def gather_bucket(groups: list[FlatGroup], streams: Backend) -> None:
     """ONE all-gather for several sharded groups with the same ``gather_key()``:
     rank-major (for each rank r, every group's chunk r in turn, an uneven
     group's piece padded to its ``slot``); this rank's row is filled from the

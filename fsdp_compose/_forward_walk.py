@@ -44,7 +44,7 @@ from ._common import unit_error
 from ._forward_order import NO_BACKWARD, ForwardOrder, merged
 
 if TYPE_CHECKING:
-    from ._streams import StreamManager
+    from ._streams import Backend
     from ._unit import Unit
 
 # a skipped event of the order, for the root to act on: (index, pre, unit, flag)
@@ -81,7 +81,7 @@ class ForwardTracker:
     """The forward orders of one root, followed or agreed on (see the Note)."""
 
     def __init__(self, root: Unit, units: list[Unit], record: StepRecord,
-                 streams: StreamManager):
+                 streams: Backend):
         self._root, self._units, self._record, self._streams = root, units, record, streams
         self._orders: dict[tuple, _Learned] = {}  # per kind of root forward: (method, training)
         self.walk: _Walk | None = None              # the root forward now running

@@ -119,7 +119,7 @@ def _reduce_scatter_group(pg):
     only: all-gathers and reduce-scatters each follow their own
     rank-independent order, so they must not share a group ([Note:
     collective order] in _backward_plan.py), and the point-to-point
-    exchanges of [Note: gloo collectives] (_collectives.py) must meet no one
+    exchanges of [Note: gloo collectives] (_gloo.py) must meet no one
     else's messages there.
 
     Made once per (ranks, backend) in a job (_job.py), at fully_shard time:

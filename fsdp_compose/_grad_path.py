@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from . import _collectives, _layout
 from ._common import ReduceSettings, label
-from ._streams import Pending, StreamManager
+from ._streams import Backend, Pending
 
 # A flat gradient up to this size carries its used-flags in its own
 # reduce-scatter (one copy, into a buffer with E more columns); a larger one
@@ -123,7 +123,7 @@ class _GradLaunch:
     """A reduce-scatter in flight, and how to fold its output into p.grad."""
 
     path: "GradientPath"
-    streams: StreamManager
+    streams: Backend
     pending: Pending | None  # wait() gives the reduced output
     used: "_UsedFlags"   # per entry: did this rank, and how many ranks, produce a gradient
     post_divide: float | None = None
@@ -230,7 +230,7 @@ class _UsedFlags:
         return [c > 0 for c in self.counts.tolist()]
 
 
-def _flags_tensor(flags: list[bool], streams: StreamManager,
+def _flags_tensor(flags: list[bool], streams: Backend,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # on CUDA no sync: from pinned memory, on the current stream
     return streams.to_device(torch.tensor(flags, dtype=dtype))
@@ -302,7 +302,7 @@ class GradientPath:
         self._unsynced = None
         self._used = [False] * len(self.group.entries)
 
-    def launch_reduce_scatter(self, streams: StreamManager) -> _GradLaunch:
+    def launch_reduce_scatter(self, streams: Backend) -> _GradLaunch:
         """Reduce-scatter ``flat.grad`` (zeros if this rank produced none)."""
         g = self.group
         inline = (g.padded_numel * g.reduce_dtype.itemsize <= _inline_flags_bytes
@@ -340,7 +340,7 @@ class GradientPath:
                 id(self) if g.gather_bounds is not None and not g.padded()
                 else None)  # (gloo's uneven pieces: never merged)
 
-    def flags_row(self, used: list[bool], streams: StreamManager) -> torch.Tensor:
+    def flags_row(self, used: list[bool], streams: Backend) -> torch.Tensor:
         """``used`` as a tensor in the reduce dtype on the device, to be copied
         (the same flags step after step: made once), then zeros up to the
         next multiple of 16 bytes after the gradient shard: every group's part
@@ -381,7 +381,7 @@ class GradientPath:
             flat_grad.div_(pre)
         return TakenGrad(flat_grad, used, pre, post)
 
-    def _split_flags(self, out: torch.Tensor, used: _UsedFlags, streams: StreamManager):
+    def _split_flags(self, out: torch.Tensor, used: _UsedFlags, streams: Backend):
         """(gradient shard, flag sums): views into ``out`` when the flags came
         inline, else ``used.counts``."""
         if used.inline:
@@ -391,7 +391,7 @@ class GradientPath:
         return out, used.counts
 
     def _finish_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
-                       streams: StreamManager, reduced: bool = False) -> None:
+                       streams: Backend, reduced: bool = False) -> None:
         """On CUDA this runs on a side stream (see [Note: post-reduce] in _streams.py).
         ``reduced``: the HSDP sum and all-reduce were done for a whole bucket
         (``_fold_all``)."""
@@ -424,7 +424,7 @@ class GradientPath:
             return
         self._fold_grad(out, used.any_rank(g._trains))
 
-    def _hsdp_sum(self, out: torch.Tensor, used: _UsedFlags, streams: StreamManager) -> bool:
+    def _hsdp_sum(self, out: torch.Tensor, used: _UsedFlags, streams: Backend) -> bool:
         """HSDP: add a partial sum an earlier backward kept; False: keep this
         one as the partial sum instead (``requires_all_reduce`` False)."""
         grad, counts = self._split_flags(out, used, streams)
@@ -443,17 +443,16 @@ class GradientPath:
         return True
 
     def _hsdp_all_reduce(self, out: torch.Tensor, used: _UsedFlags, post: float | None,
-                         streams: StreamManager) -> None:
+                         streams: Backend) -> None:
         """``out`` (inline: with its flags) across the replicas, and the
         counts when they came in their own all-reduce."""
         g = self.group
         op = dist.ReduceOp.AVG if post is None else dist.ReduceOp.SUM
         what = (g.unit_fqn, "the all-reduce of its gradient shards across replicas")
-        blocks = streams.waits_block_cpu  # (on CUDA: issued on the all-reduce stream)
-        _collectives.all_reduce(out, op, g.replicate_pg, what, blocks)  # (inline: flags too)
+        streams.replica_all_reduce(out, op, g.replicate_pg, what)  # (inline: flags too)
         if not used.inline:
-            _collectives.all_reduce(used.counts,  # type: ignore[arg-type]
-                                    dist.ReduceOp.SUM, g.replicate_pg, what, blocks)
+            streams.replica_all_reduce(used.counts,  # type: ignore[arg-type]
+                                       dist.ReduceOp.SUM, g.replicate_pg, what)
 
     def _fold_grad(self, out: torch.Tensor, any_rank: list[bool] | None) -> None:
         """Add this reduction into p.grad, see [Note: parameters without a gradient].
@@ -488,7 +487,7 @@ def _empty_grad(e, buf: torch.Tensor) -> torch.Tensor:
     return buf.new_empty(e.piece_shape)
 
 
-def launch_bucket(paths: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+def launch_bucket(paths: list[GradientPath], streams: Backend) -> list[_GradLaunch]:
     """ONE reduce-scatter for several groups with the same ``bucket_key()``.
 
     For many small units, where a collective's latency dominates its bytes:
@@ -500,7 +499,7 @@ def launch_bucket(paths: list[GradientPath], streams: StreamManager) -> list[_Gr
     return _launch_inline(paths, streams)
 
 
-def _launch_inline(paths: list[GradientPath], streams: StreamManager) -> list[_GradLaunch]:
+def _launch_inline(paths: list[GradientPath], streams: Backend) -> list[_GradLaunch]:
     """Reduce-scatter the groups' flat gradients with their used-flags inline.
 
     The input is rank-major: for each rank r, every group's chunk r followed

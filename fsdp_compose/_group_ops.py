@@ -16,11 +16,11 @@ from ._flat_group import FlatGroup, gather_bucket
 from ._grad_path import launch_bucket
 
 if TYPE_CHECKING:
-    from ._streams import StreamManager
+    from ._streams import Backend
     from ._unit import Unit
 
 
-def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
+def all_gather(units: list[Unit], streams: Backend, bucket: bool) -> None:
     """Issue the all-gathers of ``units``' groups (no wait). ``bucket``: the
     groups of one ``gather_key`` share one collective; else (one unit) each
     group is gathered alone, its extension groups together."""
@@ -33,7 +33,7 @@ def all_gather(units: list[Unit], streams: StreamManager, bucket: bool) -> None:
             gather_bucket(groups, streams)
 
 
-def _gather_buckets(units: list[Unit], streams: StreamManager,
+def _gather_buckets(units: list[Unit], streams: Backend,
                     bucket: bool) -> list[list[FlatGroup]]:
     if bucket:
         by_key: dict[tuple | None, list[FlatGroup]] = {}
@@ -48,7 +48,7 @@ def _gather_buckets(units: list[Unit], streams: StreamManager,
     return [together] + [[g] for g in unit.groups if g not in together]
 
 
-def reduce_scatter(units: list[Unit], streams: StreamManager, bucket: bool) -> list:
+def reduce_scatter(units: list[Unit], streams: Backend, bucket: bool) -> list:
     """Launch the reduce-scatters of ``units``' trainable groups; returns the
     launches (``_grad_path._GradLaunch``). ``bucket``: the groups of one
     ``bucket_key`` share one collective; else (one unit) each group alone,

@@ -24,7 +24,7 @@ own work and never call it back:
   flight and the units left unreduced;
 - ``checks`` / ``fingerprint`` (``_divergence.StepChecks``,
   ``_step_checks.SettingsFingerprint``): [Note: divergence];
-- ``streams`` (``StreamManager``), ``last_step_order`` (``LastStepOrder``).
+- ``streams`` (the backend, ``_streams.Backend``), ``last_step_order`` (``LastStepOrder``).
 
 ``RootContext`` is the step lifecycle (a training root forward starts a
 step, the first pre-backward queues the final callback, which ends it; a step
@@ -191,15 +191,14 @@ class RootContext:
         in _flat_group.py), frees and reduce-scatters nothing. On gloo each new
         split node reports to ``grads_computed`` ([Note: gloo backward])."""
         if torch.is_grad_enabled():
-            hook = self.streams.waits_block_cpu
             for g in unit.groups:
                 trains = g.requires_grad and not g.direct
                 # (any group whose requires_grad changed: its views must follow)
                 if not (g._views_stale or (trains and not g.aliased)):
                     continue
                 g.refresh_views()
-                if hook and g.world > 1 and g.split_node is not None:  # a new node each time
-                    g.split_node.register_prehook(_hook("grads_computed", unit, g))
+                if g.world > 1 and g.split_node is not None and self.streams.hook_split_node(
+                        g.split_node, _hook("grads_computed", unit, g)):  # a new node each time
                     unit.note_grads_hooked()
 
     def post_forward(self, unit: Unit, output):

@@ -46,7 +46,7 @@ synchronisation is marked ``runtime.intended_sync(why)`` (tests/_cuda_rules.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,95 @@ class Pending(NamedTuple):
             if self.what is None:
                 raise
             raise _divergence.collective_error(*self.what, e) from e
+
+
+class Backend(Protocol):
+    """How a root's collectives run and are waited: the one seam between the
+    schedule and the device. One object per root, chosen at lazy init
+    (``make_streams``):
+
+    - ``StreamManager``: a device with streams (NCCL): the side-stream
+      protocol ([Note: side streams]) and FSDP2's backward schedule;
+    - ``BlockingStreams``: CPU (gloo): waits block, bucket buffers are kept
+      ([Note: bucket buffers]), and the gloo backward ([Note: gloo backward]
+      in _state.py), which ``hook_split_node`` alone switches on.
+
+    The schedule (``_state.RootContext``) and the groups call only these
+    members; neither branches on which backend it has."""
+
+    device: torch.device
+
+    @property
+    def waits_block_cpu(self) -> bool:
+        """A wait blocks the CPU (gloo): the used-flags' counts are read at once."""
+        ...
+
+    @property
+    def runtime(self) -> Any:
+        """The device's stream runtime (None: no streams)."""
+        ...
+
+    @property
+    def host_work_pending(self) -> bool:
+        """Host copies wait for the end-of-backward sync (``finish_backward``)."""
+        ...
+
+    # ---------------------------------------------------------- collectives
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group,
+                   what: tuple | None = None, bounds: tuple | None = None,
+                   padded: bool | None = None) -> Pending: ...
+
+    def reduce_scatter(self, flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
+                       then=None, all_reduce: bool = False, what: tuple | None = None,
+                       bounds: tuple | None = None, padded: bool | None = None) -> Pending: ...
+
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
+                   what: tuple | None = None) -> Pending: ...
+
+    def replica_all_reduce(self, tensor: torch.Tensor, op, group, what: tuple) -> None:
+        """HSDP: ``tensor`` (gradient shards, or their flags) across the
+        replicas, in place, in a post-reduce (on CUDA its side stream)."""
+        ...
+
+    def min_across(self, values: list[int], shard_groups: list,
+                   replicate_groups: list) -> list[int]: ...
+
+    # ------------------------------------------------------- the backward
+    def hook_split_node(self, node, hook) -> bool:
+        """Register ``hook`` as a pre-hook of a group's split node if this
+        backend runs the gloo backward ([Note: gloo backward] in _state.py);
+        returns whether it did."""
+        ...
+
+    # ------------------------------------------------------------- buffers
+    def bucket(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device,
+               holder=None) -> torch.Tensor: ...
+
+    def holder_of(self, kind: str, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+    def release(self, buf: torch.Tensor) -> None: ...
+
+    def ready(self, result: torch.Tensor) -> Pending: ...
+
+    def hold(self, t: torch.Tensor) -> None: ...
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    # --------------------------------------------------------- host copies
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, from_host: bool) -> None: ...
+
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor: ...
+
+    def on_host(self, fn) -> None: ...
+
+    def after_backward(self, t: torch.Tensor, fn) -> None: ...
+
+    # ---------------------------------------------------------------- ends
+    def finish_backward(self) -> None: ...
+
+    def end_eval_forward(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 class CudaRuntime:
@@ -268,6 +357,15 @@ class StreamManager:
                         lambda: _collectives.all_reduce_async(tensor, op, group, async_op=False))
         return Pending(work, (tensor,), what)
 
+    def replica_all_reduce(self, tensor: torch.Tensor, op, group, what: tuple) -> None:
+        """On the all-reduce stream, where the post-reduce runs: waits order streams."""
+        _collectives.all_reduce(tensor, op, group, what, blocks_cpu=False)
+
+    @staticmethod
+    def hook_split_node(node, hook) -> bool:
+        """FSDP2's backward schedule: no hook."""
+        return False
+
     def min_across(self, values: list[int], shard_groups: list,
                    replicate_groups: list) -> list[int]:
         """The element-wise minimum of ``values`` over the groups, read on the
@@ -465,6 +563,17 @@ class BlockingStreams:
                    what: tuple | None = None) -> Pending:
         return Pending(_collectives.all_reduce_async(tensor, op, group), (tensor,), what)
 
+    @staticmethod
+    def replica_all_reduce(tensor: torch.Tensor, op, group, what: tuple) -> None:
+        """Blocking, waited in slices (a stopped collective names ``what``)."""
+        _collectives.all_reduce(tensor, op, group, what, blocks_cpu=True)
+
+    @staticmethod
+    def hook_split_node(node, hook) -> bool:
+        """The gloo backward: each split node reports its gradients computed."""
+        node.register_prehook(hook)
+        return True
+
     def min_across(self, values: list[int], shard_groups: list,
                    replicate_groups: list) -> list[int]:
         return _collectives.min_across(values, shard_groups + replicate_groups)
@@ -539,10 +648,10 @@ class BlockingStreams:
         return f"BlockingStreams(device={self.device})"
 
 
-def make_streams(device: torch.device) -> StreamManager:
-    """A root's stream manager (lazy init): the side-stream protocol where
-    ``device`` has a stream runtime (``runtime_for``), else the blocking one."""
+def make_streams(device: torch.device) -> Backend:
+    """A root's backend (lazy init): the side-stream protocol where ``device``
+    has a stream runtime (``runtime_for``), else the blocking one."""
     runtime = runtime_for(device)
-    if runtime is None:  # (BlockingStreams has StreamManager's interface)
-        return BlockingStreams(device)  # type: ignore[return-value]
+    if runtime is None:
+        return BlockingStreams(device)
     return StreamManager(device, runtime)

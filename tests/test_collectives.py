@@ -1,7 +1,7 @@
 """The gloo all-gather / reduce-scatter of ``fsdp_compose._collectives``.
 
 On CPU tensors over gloo they are built from broadcasts and an in-place
-all-reduce (see the "[Note: gloo collectives]" there). These tests check the
+all-reduce (see the "[Note: gloo collectives]" in _gloo.py). These tests check the
 results against torch's own tensor collectives, bit for bit, on the world
 group and on subgroups (where a group rank is not the global rank), and that
 the in-place path is really the one taken.
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import _collectives as C
+from fsdp_compose import _gloo
 
 from ._dist import run_distributed
 
@@ -111,8 +112,8 @@ class _CountingWork:
 def _reduce_scatter_cases(rank, world, path):
     """``path``: "all_reduce" (the in-place all-reduce) or "exchange" (the
     point-to-point one of small inputs over 2 ranks), forced with
-    ``C.P2P_MAX_BYTES``."""
-    C.P2P_MAX_BYTES = 0 if path == "all_reduce" else 1 << 30
+    ``_gloo.P2P_MAX_BYTES``."""
+    _gloo.P2P_MAX_BYTES = 0 if path == "all_reduce" else 1 << 30
     checked = []
     for gname, group in _groups(rank, world):
         members = _members(group)
@@ -194,7 +195,7 @@ def _op_names(prof) -> dict[str, int]:
 
 def _gloo_path(rank, world):
     S = 64
-    C.P2P_MAX_BYTES = 0  # the all-reduce path (the exchange: _gloo_exchange_path)
+    _gloo.P2P_MAX_BYTES = 0  # the all-reduce path (the exchange: _gloo_exchange_path)
     C.reset_comm_stats()
     out = torch.empty(world * S)
     out_bf16 = torch.empty(world * S, dtype=torch.bfloat16)
@@ -252,7 +253,7 @@ def test_gloo_path_is_broadcast_and_all_reduce(world):
 
 
 def _gloo_exchange_path(rank, world):
-    S = 64  # 512 B: below C.P2P_MAX_BYTES
+    S = 64  # 512 B: below _gloo.P2P_MAX_BYTES
     C.reset_comm_stats()
     flat = _data(rank, world * S, "int")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p_rs:

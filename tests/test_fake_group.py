@@ -178,6 +178,66 @@ reduce_scatter bucketed
 final_callback""")
 
 
+def _blocking_step(rank: int, per_unit: bool) -> dict:
+    """The second step of the same model (equal chunks) as ``rank`` of 2 with
+    the CPU backend (``BlockingStreams``, gloo's backward: [Note: gloo
+    backward] in fsdp_compose/_state.py): its schedule and collective counts."""
+    with fake_group(rank, 2):
+        torch.manual_seed(0)
+        m = shard(Net(n=2))
+        if per_unit:
+            per_unit_collectives(m)
+        x = torch.randn(2, 3)
+        m(x).sum().backward()  # first step: lazy init, order recording
+        reset_comm_stats()
+        with record_schedule() as ev:
+            m(x).sum().backward()
+        s = comm_stats()
+        return {"schedule": _fmt(ev), "calls": (s.all_gather_calls, s.reduce_scatter_calls),
+                "manager": repr(m._unit().ctx.streams)}
+
+
+class TestBlockingStep(expecttest.TestCase):
+    """One literal per backend: the side-stream one is TestPaddedSideStreamStep's."""
+
+    def test_one_step(self):
+        r0, r1 = _blocking_step(0, per_unit=True), _blocking_step(1, per_unit=True)
+        self.assertEqual(r0, r1)
+        self.assertEqual(r0["manager"], "BlockingStreams(device=cpu)")
+        self.assertEqual(r0["calls"], (3 + 2, 3))
+        # a unit reshards as soon as its gradients are computed, then the
+        # next unit is prefetched and the reduce-scatter in flight finished
+        self.assertExpectedInline(r0["schedule"], """\
+pre_forward IDLE
+all_gather FORWARD
+prefetch layers.0 forward
+all_gather layers.0 IDLE
+pre_forward layers.0 IDLE
+prefetch layers.1 forward
+all_gather layers.1 IDLE
+post_forward layers.0 FORWARD
+reshard layers.0 FORWARD
+pre_forward layers.1 IDLE
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+all_gather layers.1 IDLE
+pre_backward layers.1 IDLE
+reshard layers.1 grads computed
+all_gather layers.0 IDLE
+post_backward layers.1 PRE_BACKWARD
+reduce_scatter layers.1 ready
+pre_backward layers.0 IDLE
+reshard layers.0 grads computed
+post_backward layers.0 PRE_BACKWARD
+reduce_scatter layers.0 ready
+reshard grads computed
+post_backward PRE_BACKWARD
+reduce_scatter ready
+final_callback""")
+
+
 # ---------------------------------------------------------------- by value
 
 

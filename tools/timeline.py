@@ -143,7 +143,7 @@ def _spans(trace_path: str) -> dict:
             if unit is not None:
                 add(kind, unit, a, b)
     # a small reduce-scatter over 2 ranks is a point-to-point exchange ([Note:
-    # gloo collectives] in fsdp_compose/_collectives.py): drawn from its
+    # gloo collectives] in fsdp_compose/_gloo.py): drawn from its
     # receive's gloo:recv event (posted -> landed, on the main thread)
     issues = [e["ts"] for e in mine if e["name"] == "c10d::recv_"]
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "gloo:recv")
