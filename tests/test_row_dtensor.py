@@ -175,8 +175,9 @@ def _worker(rank: int, ws: int) -> dict:
     full = _full()
     out: dict = {"rows": (a, b)}
 
-    def param(t, name="w"):
-        p = nn.Parameter(row_param(t[a:b].clone(), row_spec(mesh, cuts, t.shape, t.dtype)))
+    def param(t, name="w", split=cuts):
+        lo, hi = split[rank], split[rank + 1]
+        p = nn.Parameter(row_param(t[lo:hi].clone(), row_spec(mesh, split, t.shape, t.dtype)))
         p._fsdp_name = name
         return p
 
@@ -238,9 +239,10 @@ def _worker(rank: int, ws: int) -> dict:
     # foreach ops over parameters split differently (torch's clip_grads_with_norm_,
     # optimizers): element-wise per position, so allowed, and right
     q = param(_full(5), "q")
-    q_other = nn.Parameter(DTensor.from_local(
-        _full(5)[other.cuts[rank]:other.cuts[rank + 1]].clone(), mesh, [other],
-        run_check=False, shape=full.shape, stride=full.stride()))
+    # (a parameter of another split is a RowParam, as fsdp_compose makes them: a
+    # plain DTensor carrying a RowShard loses it in nn.Parameter() on torch 2.14,
+    # whose detach strategy rebuilds the placement as a plain Shard(0))
+    q_other = param(_full(5), "q_other", other.cuts)
     with torch.no_grad():
         torch._foreach_mul_([p, q_other], 2.0)
         summed = torch._foreach_add([p, q], [p, q])
