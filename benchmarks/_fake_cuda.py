@@ -3,7 +3,7 @@ fsdp_compose run on CPU (tests/test_gpu_path.py, tests/test_streams.py and
 ``python -m benchmarks.gpu_check --dry-run``). Imports torch only (no pytest,
 no fsdp_compose).
 
-* :class:`StreamDouble`: the stream runtime of ``fsdp_compose._streams.
+* :class:`StreamDouble`: the stream runtime of ``fsdp_compose._comm._streams.
   StreamManager`` (installed with ``_streams.runtime_factory``). Streams and
   events record into a log instead of ordering anything; host copies are
   logged with the stream they are issued on and whether their host buffer is
@@ -64,7 +64,7 @@ class _Stream:
 
 
 class StreamDouble:
-    """The stream runtime of ``StreamManager`` (``fsdp_compose._streams``, the
+    """The stream runtime of ``StreamManager`` (``fsdp_compose._comm._streams``, the
     seam ``runtime_factory``) as a double: streams and events record into
     ``log`` instead of ordering anything (``("record", stream, n)``,
     ``("wait", stream, n)``, ``("sync", stream, n)``); host copies are logged

@@ -7,9 +7,9 @@ No torch import here: the orchestrating process stays torch-free, so a rank's
 modules the fork server should import once.
 
 The rendezvous (a free port, torchrun's variables for each rank, ``env://``)
-is ``fsdp_compose/_launch.py``'s, shared with the tests, tools and the demo;
+is ``fsdp_compose/_base/_launch.py``'s, shared with the tests, tools and the demo;
 this process loads that file by its path (:data:`launcher`), as importing
-``fsdp_compose._launch`` would import torch and the library. The test
+``fsdp_compose._base._launch`` would import torch and the library. The test
 harness (``tests/_dist.py``) takes it from here, for the same reason.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ import time
 
 def _load_launch():
     pkg = importlib.util.find_spec("fsdp_compose")  # found, not imported
-    path = os.path.join(pkg.submodule_search_locations[0], "_launch.py")
+    path = os.path.join(pkg.submodule_search_locations[0], "_base", "_launch.py")
     spec = importlib.util.spec_from_file_location("_fsdp_compose_launch", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-#: ``fsdp_compose/_launch.py`` (free_port, rank_env, init_gloo)
+#: ``fsdp_compose/_base/_launch.py`` (free_port, rank_env, init_gloo)
 launcher = _load_launch()
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.collectives [--world-size 2] [--sizes 0.0625 1 4 16 64] [--repeats 11]
 
-``fsdp_compose._collectives`` builds them, for CPU tensors on gloo, from one
+``fsdp_compose._comm._collectives`` builds them, for CPU tensors on gloo, from one
 broadcast per rank (all-gather) and an in-place all-reduce (reduce-scatter;
 over 2 ranks up to 1 MiB a send/recv exchange instead); see its "[Note: gloo
 collectives]". For every size (MiB of the unsharded fp32
@@ -43,7 +43,7 @@ from benchmarks._launch import LaunchError, run_ranks, write_result
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "out", "collectives.json")
 VARIANTS = ["ag_torch", "ag_ours", "rs_torch", "rs_ours"]
-_PRELOAD = ["torch", "torch.distributed", "fsdp_compose._collectives"]
+_PRELOAD = ["torch", "torch.distributed", "fsdp_compose._comm._collectives"]
 
 
 # =============================================================================
@@ -57,7 +57,7 @@ def _run(cfg: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_compose import _collectives as C
+    from fsdp_compose._comm import _collectives as C
 
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*deprecated.*")
     ag_torch = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

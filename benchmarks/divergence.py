@@ -42,7 +42,8 @@ def _worker_entry(cfg_path: str) -> None:
     import torch.distributed as dist
 
     from benchmarks.models import build_model, make_data
-    from fsdp_compose import _divergence, fully_shard
+    from fsdp_compose import fully_shard
+    from fsdp_compose._comm import _divergence
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))

@@ -296,7 +296,7 @@ class DryRun:
     @contextlib.contextmanager
     def job(self):
         from benchmarks._fake_cuda import CudaJob
-        from fsdp_compose import _streams
+        from fsdp_compose._comm import _streams
         with CudaJob().active(), _streams.runtime_factory(self._runtime):
             yield
 
@@ -441,7 +441,7 @@ HOOK_LABELS = {"fsdp_compose": ("fsdp_compose::",), "fsdp2": ("FSDP::",)}
 @contextlib.contextmanager
 def _fake_world(world: int):
     """torch's fake process group as rank 0 of ``world`` for the block: a job
-    of its own (the groups fully_shard makes for it are its, fsdp_compose/_job.py)."""
+    of its own (the groups fully_shard makes for it are its, fsdp_compose/_base/_job.py)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -628,7 +628,7 @@ def _fake_run(mach, impl: str, world: int, name: str, models: dict, warmup: int,
         row["hook_cpu_ms_per_step"] = _label_ms(prof, HOOK_LABELS[impl], 2)
         row["hook_labels"] = f"{HOOK_LABELS[impl][0]}* (union per thread, under the profiler)"
         if plan_cfg is not None:
-            from fsdp_compose._registry import unit_of
+            from fsdp_compose._base._registry import unit_of
             units = [unit_of(model)] + [unit_of(b) for b in model.layers]
             row["measured_plan"] = _measured_plan(units, model, runner.opt,
                                                   [next(it), next(it)])
@@ -829,7 +829,7 @@ def part_sanitizer(mach, res: Result, args) -> None:
 def part_scale(mach, res: Result, args) -> None:
     """Fake world size ``SCALE_WORLD``, rank 0: ours with every row layout
     forced to uneven pieces (each all-gather and reduce-scatter the padded
-    equal-size one, [Note: padded collectives] in fsdp_compose/_collectives.py)
+    equal-size one, [Note: padded collectives] in fsdp_compose/_comm/_collectives.py)
     and FSDP2, alternating; the host (CPU) time of the thread that issues a
     step, and ours' collectives per step against the planner's."""
     import torch
@@ -886,7 +886,7 @@ def part_scale(mach, res: Result, args) -> None:
                                                        "reduce_scatter_calls",
                                                        "all_reduce_calls", "all_gather_bytes",
                                                        "reduce_scatter_bytes")}
-                        from fsdp_compose._registry import unit_of
+                        from fsdp_compose._base._registry import unit_of
                         groups = [g for m in [model, *model.layers]
                                   for g in unit_of(m).groups]
                         row["padded_groups"] = sum(g.padded() for g in groups)

@@ -156,11 +156,11 @@ COMPILE_WHAT = {"blocks": "block.compile() on every block after wrapping",
 
 
 def _layout_module():
-    """fsdp_compose/_layout.py loaded on its own (pure Python: importing the
+    """fsdp_compose/_plan/_layout.py loaded on its own (pure Python: importing the
     package would import torch into this orchestrating process)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        "_fsdp_compose_layout", os.path.join(ROOT, "fsdp_compose", "_layout.py"))
+        "_fsdp_compose_layout", os.path.join(ROOT, "fsdp_compose", "_plan", "_layout.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # (dataclasses look their module up)
     spec.loader.exec_module(mod)

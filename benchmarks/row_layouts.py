@@ -6,7 +6,7 @@
 Each launch trains the benchmark shape (``benchmarks.shapes``, default
 "memory": 8 blocks of Linear(2048,4096) + Linear(4096,2048)) with
 ``fsdp_compose.fully_shard`` on each block then the root and AdamW, with
-every row layout forced to one form (``fsdp_compose._layout.FORCE_EVEN``):
+every row layout forced to one form (``fsdp_compose._plan._layout.FORCE_EVEN``):
 equal chunks (one equal-size all-gather / reduce-scatter per group) or
 uneven pieces (each rank's boundary at the row nearest its even share; on
 gloo both are the same per-rank broadcasts and one all-reduce, with pieces of
@@ -36,8 +36,10 @@ def _run(cfg: dict, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_compose import _layout, comm_stats, fully_shard, reset_comm_stats
-    from fsdp_compose._registry import unit_of
+    from fsdp_compose import comm_stats, fully_shard, reset_comm_stats
+
+    from fsdp_compose._plan import _layout
+    from fsdp_compose._base._registry import unit_of
     from benchmarks.models import build_model, make_data
 
     shape = SHAPES[cfg["shape"]]

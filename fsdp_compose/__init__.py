@@ -5,19 +5,19 @@
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters())   # after fully_shard
 """
-from ._collectives import comm_stats, reset_comm_stats
-from ._common import ShardedState, TrainingState, record_schedule
-from ._divergence import DivergenceError
-from ._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
-from ._fully_shard import fully_shard, param_info
+from ._comm._collectives import comm_stats, reset_comm_stats
+from ._base._common import ShardedState, TrainingState, record_schedule
+from ._comm._divergence import DivergenceError
+from ._runtime._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from ._runtime._fully_shard import fully_shard, param_info
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
-from ._checkpoint import get_state_dict, set_state_dict
-from ._load_checkpoint import CheckpointLoadError, load_checkpoint
-from ._materialize import materialize
-from ._drop_in import use_as_fsdp2
-from .clip import clip_grad_norm_
-from ._torch_hooks import declare_optimizer, install_torch_hooks
+from .checkpoint._checkpoint import get_state_dict, set_state_dict
+from .checkpoint._load_checkpoint import CheckpointLoadError, load_checkpoint
+from .checkpoint._materialize import materialize
+from ._runtime._drop_in import use_as_fsdp2
+from ._optim.clip import clip_grad_norm_
+from ._optim._torch_hooks import declare_optimizer, install_torch_hooks
 
 __all__ = [
     "fully_shard",

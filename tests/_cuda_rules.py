@@ -1,6 +1,6 @@
 """CUDA's rules for streams, events and the caching allocator, checked on CPU.
 
-``CudaRules`` is both the stream runtime of ``fsdp_compose._streams.StreamManager``
+``CudaRules`` is both the stream runtime of ``fsdp_compose._comm._streams.StreamManager``
 (the seam ``runtime_factory``: ``current_stream``, ``new_stream``, ``use``,
 host buffers and copies) and a ``TorchDispatchMode`` that sees every aten and
 c10d op run while it is active. This machine has no GPU: the tensors are CPU
@@ -306,7 +306,7 @@ class CudaRules(TorchDispatchMode):
         """The mode, the runtime seam and the patches (``.tolist()``,
         ``Tensor.to``, ``UntypedStorage.resize_``, the collectives' issue
         order) for the scenario inside."""
-        from fsdp_compose import _streams
+        from fsdp_compose._comm import _streams
 
         rules = self
         real_tolist, real_to = torch.Tensor.tolist, torch.Tensor.to
@@ -423,7 +423,7 @@ class CudaRules(TorchDispatchMode):
             raise Violation(msg)
 
     def _in_hook(self) -> bool:
-        from fsdp_compose import _compat
+        from fsdp_compose._base import _compat
 
         return self._forward > 0 or _compat.in_backward()
 
@@ -659,7 +659,7 @@ _KINDS = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather_singl
 @contextlib.contextmanager
 def _record_collectives(rules: CudaRules):
     """Every collective the package issues, as (group name, kind), in order."""
-    from fsdp_compose import _collectives
+    from fsdp_compose._comm import _collectives
 
     def wrap(real, kind):
         def issue(*args, **kw):

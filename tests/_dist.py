@@ -19,7 +19,7 @@ Processes are forked (cheap: torch is already imported in the parent) where
 ``fork`` exists; set ``FSDP_TEST_START_METHOD=spawn`` to use spawn instead (then
 ``fn`` and ``args`` must be picklable, i.e. ``fn`` a module-level function).
 
-Each rank joins the group as a torchrun rank does (``fsdp_compose._launch``,
+Each rank joins the group as a torchrun rank does (``fsdp_compose._base._launch``,
 shared with the demo, tools and benchmarks): ``env://``, the store hosted by
 rank 0 on a port that is free when the call starts; a port race (another
 process binding it first) is retried once.
@@ -43,7 +43,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, NamedTuple, Optional
 
-# fsdp_compose/_launch.py, loaded by its path: importing fsdp_compose._launch
+# fsdp_compose/_base/_launch.py, loaded by its path: importing fsdp_compose._base._launch
 # would import the whole library first (the package's __init__), and the
 # harness runs without the library (test_parity's mock mode).
 from benchmarks._launch import launcher

@@ -42,5 +42,5 @@ def piece_close(got, full: torch.Tensor, local_range, **tol) -> bool:
     pieces)."""
     if got is None:
         return False
-    from fsdp_compose._row_dtensor import local_of  # (a RowParam: its rows)
+    from fsdp_compose._group._row_dtensor import local_of  # (a RowParam: its rows)
     return torch.allclose(local_of(got), local_piece(full, local_range), **tol)

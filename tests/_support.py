@@ -210,7 +210,7 @@ def range_or_whole(p: torch.Tensor) -> tuple:
 def rows(t):
     """This rank's rows of a sharded parameter, its gradient or its optimizer
     state (a RowParam DTensor: its local tensor); anything else unchanged."""
-    from fsdp_compose._row_dtensor import local_of
+    from fsdp_compose._group._row_dtensor import local_of
 
     return local_of(t) if isinstance(t, torch.Tensor) else t
 
@@ -347,14 +347,14 @@ class IssueRecorder:
 @contextlib.contextmanager
 def recording(rt, *, kinds: Sequence[str] = ("all_gather", "reduce_scatter", "all_reduce"),
               logged: Sequence[str] = ("all_gather", "reduce_scatter"), use_double: bool = True):
-    """Record every call of the ``fsdp_compose._collectives`` functions named
+    """Record every call of the ``fsdp_compose._comm._collectives`` functions named
     in ``kinds`` into ``rt`` (a :class:`StreamDouble` or an
     :class:`IssueRecorder`): ``(kind, stream, async_op, numel)`` in
     ``rt.issues``; for those in ``logged`` issued on a stream, also
     ``("issue", stream, kind)`` in ``rt.log`` and, when a tensor it was given
     is freed, ``("release", i)`` (``i``: the issue's place in the log). With
     ``use_double`` every root's StreamManager runs on ``rt``."""
-    from fsdp_compose import _collectives, _streams
+    from fsdp_compose._comm import _collectives, _streams
 
     with contextlib.ExitStack() as stack:
         if use_double:
@@ -381,7 +381,7 @@ def recording(rt, *, kinds: Sequence[str] = ("all_gather", "reduce_scatter", "al
 def check_stream_protocol(log: list) -> list[str]:
     """What is wrong in a :func:`recording` log of the side-stream protocol
     (tests/test_streams.py states it; [Note: side streams] in
-    fsdp_compose/_streams.py): every all-gather issued on stream ``ag``,
+    fsdp_compose/_comm/_streams.py): every all-gather issued on stream ``ag``,
     every reduce-scatter (and its flags' all-reduce) on ``rs``, each after
     waiting an event just recorded on the compute stream, followed by an
     event on its stream that the compute stream waits for before any tensor

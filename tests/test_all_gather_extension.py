@@ -1,6 +1,6 @@
 """FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather):
 torchao's float8 training against FSDP2's, a subclass of our own, and what
-is refused. See [Note: all-gather extension] in fsdp_compose/_extension.py.
+is refused. See [Note: all-gather extension] in fsdp_compose/_group/_extension.py.
 
 torchao is a test extra: its tests skip without it, and it is imported only
 inside the ranks (never into pytest's process, which every later test forks).
@@ -83,9 +83,11 @@ def fsdp2_all_gather_bytes():
 def _shard(model, impl, mp):
     """``impl`` "ours-padded": ours with every plain row group in uneven pieces
     and the padded collectives of every backend but gloo (here on gloo):
-    [Note: padded collectives] in fsdp_compose/_collectives.py."""
+    [Note: padded collectives] in fsdp_compose/_comm/_collectives.py."""
     if impl.startswith("ours"):
-        from fsdp_compose import MixedPrecisionPolicy, _collectives, _layout, fully_shard
+        from fsdp_compose import MixedPrecisionPolicy, fully_shard
+        from fsdp_compose._comm import _collectives
+        from fsdp_compose._plan import _layout
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = {}
@@ -113,7 +115,7 @@ def _float8_train(rank, world, impl, ext, mp, precompute, steps=5):
                                 precompute_float8_dynamic_scale_for_fsdp)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from fsdp_compose._extension import inner_data
+    from fsdp_compose._group._extension import inner_data
 
     torch.manual_seed(0)
     model = Net()

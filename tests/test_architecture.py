@@ -30,22 +30,27 @@ def test_no_import_cycle():
 def test_registry_is_a_leaf():
     """What is attached to modules and Parameters is readable from anywhere."""
     edges = import_graph.graph()
-    runtime = [m for m, k in edges["fsdp_compose._registry"].items() if k != "type"]
+    runtime = [m for m, k in edges["fsdp_compose._base._registry"].items() if k != "type"]
     assert runtime == [], runtime
 
 
 def test_job_is_a_leaf():
     """Per-job state (_job.py) is readable from anywhere."""
     edges = import_graph.graph()
-    assert edges["fsdp_compose._job"] == {}, edges["fsdp_compose._job"]
+    assert edges["fsdp_compose._base._job"] == {}, edges["fsdp_compose._base._job"]
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A fake package: ``{"folder/name": text}`` (or a top-level ``name``)."""
     pkg = tmp_path / "fsdp_compose"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     for name, text in files.items():
-        (pkg / f"{name}.py").write_text(text)
+        path = pkg / f"{name}.py"
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            (path.parent / "__init__.py").write_text("")
+        path.write_text(text)
     return pkg
 
 
@@ -70,16 +75,74 @@ def test_sizes_reports_the_largest():
     assert all(n > 0 and where for n, where in pkg_sizes.values())
 
 
+# ------------------------------------------------------------------ layers
+# The folders are the layers, lowest first: a module imports (at run time)
+# only modules of its own folder or of a lower one, and ``api`` (value types,
+# a leaf). Only the public top (``fsdp_compose``, ``api``, ``cli``, ``demo``)
+# lives outside them. See docs/architecture.md.
+LAYERS = ("_base", "_plan", "_comm", "_group", "checkpoint", "_optim", "_runtime")
+TOP = {"fsdp_compose", "fsdp_compose.api", "fsdp_compose.cli"}
+
+
+def _layer(mod: str) -> int | None:
+    parts = mod.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 and parts[1] in LAYERS else None
+
+
+def layer_violations(pkg: Path) -> list[str]:
+    edges = import_graph.graph(pkg)
+    bad = []
+    for mod in sorted(edges):
+        src = _layer(mod)
+        if src is None:
+            if mod not in TOP and not mod.startswith("fsdp_compose.demo") \
+                    and mod.split(".")[-1] not in LAYERS:
+                bad.append(f"{mod} is outside the layer folders")
+            continue
+        for target, kind in sorted(edges[mod].items()):
+            if kind == "type":
+                continue  # (names a type for the reader; never runs)
+            dst = _layer(target)
+            if dst is None and target != "fsdp_compose.api" \
+                    and target.split(".")[-1] not in LAYERS:
+                bad.append(f"{mod} imports {target} (above every layer)")
+            elif dst is not None and dst > src:
+                bad.append(f"{mod} imports {target} (layer {LAYERS[dst]} is above "
+                           f"{LAYERS[src]})")
+    return bad
+
+
+def test_folders_are_layers():
+    assert layer_violations(ROOT / "fsdp_compose") == []
+
+
+def test_layer_check_can_fail(tmp_path):
+    pkg = _package(tmp_path, {
+        "_base/_common": "from .._group import _flat_group\n",
+        "_group/_flat_group": "from .._base import _common\nfrom .. import api\n",
+        "_runtime/_state": "from .._group._flat_group import x\n",
+        "_plan/_layout": "def f():\n    from ..cli import main\n",
+        "api": "", "cli": "", "_stray": "",
+    })
+    assert layer_violations(pkg) == [
+        "fsdp_compose._base._common imports fsdp_compose._group._flat_group "
+        "(layer _group is above _base)",
+        "fsdp_compose._plan._layout imports fsdp_compose.cli (above every layer)",
+        "fsdp_compose._stray is outside the layer folders",
+    ]
+
+
 # ------------------------------------------------------- direction of control
-# [Note: who decides] in fsdp_compose/_unit.py: units report, the schedule
+# [Note: who decides] in fsdp_compose/_runtime/_unit.py: units report, the schedule
 # decides and issues. Kept as import rules, read with ast.
-SCHEDULE = {"fsdp_compose._state", "fsdp_compose._backward_schedule"}
-GROUP_OPS = "fsdp_compose._group_ops"
+SCHEDULE = {"fsdp_compose._runtime._state", "fsdp_compose._runtime._backward_schedule"}
+GROUP_OPS = "fsdp_compose._group._group_ops"
 # the bucket operations below the group operations, and where they live
-BUCKET_OPS = {"gather_bucket": "fsdp_compose._flat_group",
-              "launch_bucket": "fsdp_compose._grad_path",
-              "gather_together": "fsdp_compose._extension"}
-UNIT_NEVER_IMPORTS = SCHEDULE | {GROUP_OPS, "fsdp_compose._extension"}
+BUCKET_OPS = {"gather_bucket": "fsdp_compose._group._flat_group",
+              "launch_bucket": "fsdp_compose._group._grad_path",
+              "gather_together": "fsdp_compose._group._extension"}
+UNIT = "fsdp_compose._runtime._unit"
+UNIT_NEVER_IMPORTS = SCHEDULE | {GROUP_OPS, "fsdp_compose._group._extension"}
 
 
 def _imported_names(pkg: Path) -> dict[str, set[tuple[str, str]]]:
@@ -114,7 +177,7 @@ def control_violations(pkg: Path) -> list[str]:
         for src, name in sorted(names.get(mod, ())):
             if BUCKET_OPS.get(name) == src and mod != GROUP_OPS:
                 bad.append(f"{mod} imports {name}")
-        if mod == "fsdp_compose._unit":
+        if mod == UNIT:
             for m in sorted(runtime & UNIT_NEVER_IMPORTS):
                 bad.append(f"{mod} imports {m}")
     return bad
@@ -126,17 +189,17 @@ def test_units_report_the_schedule_decides():
 
 def test_control_check_can_fail(tmp_path):
     pkg = _package(tmp_path, {
-        "_flat_group": "def gather_bucket(groups, streams):\n    pass\n",
-        "_grad_path": "def launch_bucket(paths, streams):\n    pass\n",
-        "_extension": "def gather_together(groups, streams):\n    pass\n",
-        "_group_ops": "from ._flat_group import gather_bucket\n",
-        "_state": "from . import _group_ops\n",
-        "_backward_schedule": "from ._grad_path import launch_bucket\n",
-        "_unit": "def pre_forward(self):\n    from ._state import RootContext\n",
-        "_forward_walk": "from ._group_ops import gather_bucket\n",
+        "_group/_flat_group": "def gather_bucket(groups, streams):\n    pass\n",
+        "_group/_grad_path": "def launch_bucket(paths, streams):\n    pass\n",
+        "_group/_extension": "def gather_together(groups, streams):\n    pass\n",
+        "_group/_group_ops": "from ._flat_group import gather_bucket\n",
+        "_runtime/_state": "from .._group import _group_ops\n",
+        "_runtime/_backward_schedule": "from .._group._grad_path import launch_bucket\n",
+        "_runtime/_unit": "def pre_forward(self):\n    from ._state import RootContext\n",
+        "_runtime/_forward_walk": "from .._group._group_ops import gather_bucket\n",
     })
     assert control_violations(pkg) == [
-        "fsdp_compose._backward_schedule imports launch_bucket",
-        "fsdp_compose._forward_walk imports fsdp_compose._group_ops",
-        "fsdp_compose._unit imports fsdp_compose._state",
+        "fsdp_compose._runtime._backward_schedule imports launch_bucket",
+        "fsdp_compose._runtime._forward_walk imports fsdp_compose._group._group_ops",
+        "fsdp_compose._runtime._unit imports fsdp_compose._runtime._state",
     ]

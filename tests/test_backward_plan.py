@@ -1,5 +1,5 @@
 """The backward plan as a pure function of the forward's record
-(fsdp_compose/_backward_plan.py): gather and reduce orders, slots, prefetch
+(fsdp_compose/_plan/_backward_plan.py): gather and reduce orders, slots, prefetch
 stops and reduce buckets, built without processes or modules. The same plan
 runs every backward (RootContext) and the planner's replay (tools/_planner.py).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_compose._backward_plan import StepRecord, build_plan
+from fsdp_compose._plan._backward_plan import StepRecord, build_plan
 
 pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
 

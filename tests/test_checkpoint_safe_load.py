@@ -85,9 +85,9 @@ def _maybe_skip_verify():
         return
 
     def no_verify(self, checkpoint_id, storage_reader):
-        self.source = (checkpoint_id, fsdp_compose._load_checkpoint._reader(
+        self.source = (checkpoint_id, fsdp_compose.checkpoint._load_checkpoint._reader(
             checkpoint_id, storage_reader))
-    with mock.patch.object(fsdp_compose._load_checkpoint._InPlace, "verify", no_verify):
+    with mock.patch.object(fsdp_compose.checkpoint._load_checkpoint._InPlace, "verify", no_verify):
         yield
 
 
@@ -230,7 +230,7 @@ def _attempt(load, model, opt, path) -> dict:
 def _damaged_after_verification(rank, path):
     """Rank 0 damages ``path`` once every rank has verified it, before any
     rank reads it again (staged: before the staged read; there is no window)."""
-    lc = fsdp_compose._load_checkpoint
+    lc = fsdp_compose.checkpoint._load_checkpoint
 
     def damage():
         dist.barrier()
@@ -255,7 +255,7 @@ def _damaged_after_verification(rank, path):
 @contextlib.contextmanager
 def _batch_log(log: list):
     """Record, per batch the verified load reads, its tensors and their bytes here."""
-    lc = fsdp_compose._load_checkpoint
+    lc = fsdp_compose.checkpoint._load_checkpoint
     real = lc._InPlace._read
 
     def read(self, batch):
@@ -279,19 +279,19 @@ def _load_run(rank, world, root, mode):
             out["one_rank"] = _attempt(load, model, opt, os.path.join(
                 root, "truncated" if rank == world - 1 else "good"))
             # a failure after the read, on one rank only (the others' went well)
-            real = fsdp_compose._load_checkpoint._optim_load_dict
+            real = fsdp_compose.checkpoint._load_checkpoint._optim_load_dict
 
             def fail_last_rank(*a, **k):
                 if rank == world - 1:
                     raise ValueError("injected: this optimizer does not match")
                 return real(*a, **k)
-            with mock.patch.object(fsdp_compose._load_checkpoint, "_optim_load_dict",
+            with mock.patch.object(fsdp_compose.checkpoint._load_checkpoint, "_optim_load_dict",
                                    fail_last_rank):
                 out["after_read"] = _attempt(load, model, opt, os.path.join(root, "good"))
             if mode != "staged":
                 # the last rank describes another state dict (its batches, and the
                 # all-to-alls in them, would not pair with the others')
-                lc = fsdp_compose._load_checkpoint
+                lc = fsdp_compose.checkpoint._load_checkpoint
                 real_init = lc._InPlace.__init__
 
                 def other_description(self, *a, **k):
@@ -431,7 +431,7 @@ def test_in_place_load_reads_in_bounded_batches(loads, mode, world):
         if mode == "verified_small":  # buffer_bytes=1: one tensor at a time
             assert len(batches) == leaves and all(n == 1 for n, _, _ in batches)
         else:
-            limit = fsdp_compose._load_checkpoint.DEFAULT_BUFFER_BYTES
+            limit = fsdp_compose.checkpoint._load_checkpoint.DEFAULT_BUFFER_BYTES
             assert max(b for _, b, _ in batches) <= limit
 
 

@@ -1,4 +1,4 @@
-"""The gloo all-gather / reduce-scatter of ``fsdp_compose._collectives``.
+"""The gloo all-gather / reduce-scatter of ``fsdp_compose._comm._collectives``.
 
 On CPU tensors over gloo they are built from broadcasts and an in-place
 all-reduce (see the "[Note: gloo collectives]" in _gloo.py). These tests check the
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import _collectives as C
-from fsdp_compose import _gloo
+from fsdp_compose._comm import _collectives as C
+from fsdp_compose._comm import _gloo
 
 from ._dist import run_distributed
 

@@ -36,9 +36,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp_compose._streams as streams_mod
-from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, _collectives, _grad_path,
-                          clip_grad_norm_, fully_shard, param_info)
+import fsdp_compose._comm._streams as streams_mod
+from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, fully_shard,
+                          param_info)
+from fsdp_compose._comm import _collectives
+from fsdp_compose._group import _grad_path
 
 from ._cuda_rules import CudaRules, check_orders
 from ._dist import run_distributed
@@ -462,7 +464,7 @@ def test_planted_race_is_flagged(which):
 # ================================================================== findings
 def _with_final_marks(rules: CudaRules):
     """Log the start and end of every final callback of the root into ``rules.log``."""
-    from fsdp_compose._state import RootContext
+    from fsdp_compose._runtime._state import RootContext
 
     real = RootContext._final_callback
 
@@ -566,7 +568,7 @@ def _agreement_syncs(rank, world):
             _skipped(rank, world, hsdp=world == 4, steps=2, rules=rules)
         out[planted_old] = calls
     # gloo: the agreement's waits are sliced (a stopped peer is noticed)
-    from fsdp_compose import _divergence
+    from fsdp_compose._comm import _divergence
     sliced = []
     real_wait = _divergence.wait
     with mock.patch.object(_divergence, "wait",

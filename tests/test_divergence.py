@@ -195,7 +195,7 @@ def _scenario(rank: int, world: int, name: str) -> None:
 def _store_keys() -> int:
     import torch.distributed as dist
 
-    from fsdp_compose import _compat
+    from fsdp_compose._base import _compat
     dist.barrier()  # (every rank done with the store)
     return _compat.default_store().num_keys()
 
@@ -249,7 +249,7 @@ def _models_in_sequence(rank: int, fault: str):
         trials.append((losses, keys, _store_keys()))
     reference = run(None)[0]
     gc.collect()  # (the last loss held the last model's graph until run returned)
-    from fsdp_compose._job import job
+    from fsdp_compose._base._job import job
     roots = list(job().roots)
     return trials, reference, len(roots), sum(c.stopped is not None for c in roots)
 
@@ -491,7 +491,7 @@ def test_two_models_alive_side_by_side_with_faults(world):
 
 @pytest.mark.fast
 def test_the_step_check_is_on_by_default_and_has_a_switch(monkeypatch):
-    from fsdp_compose import _divergence
+    from fsdp_compose._comm import _divergence
     monkeypatch.delenv("FSDP_COMPOSE_STEP_CHECK", raising=False)
     assert _divergence.step_check_enabled()
     for off in ("0", "false", "False"):
@@ -519,7 +519,7 @@ def _cuda_protocol(rank: int, world: int, diverge: bool, hsdp: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks._fake_cuda import StreamDouble
-    from fsdp_compose import _divergence as dv
+    from fsdp_compose._comm import _divergence as dv
 
     class OnThisCpu(StreamDouble):
         def to_device(self, t, device):

@@ -39,9 +39,9 @@ def _grads_full(model) -> dict:
         if isinstance(g, DTensor):
             out[n] = g.full_tensor()
             continue
-        hit = fsdp_compose._registry.SHARDED.get(p)
+        hit = fsdp_compose._base._registry.SHARDED.get(p)
         if hit is not None:  # (every rank gathers: a rank holding no rows may have no grad)
-            out[n] = fsdp_compose._checkpoint.gather_entry(
+            out[n] = fsdp_compose.checkpoint._checkpoint.gather_entry(
                 hit[0], hit[1], g if g is not None else torch.zeros_like(rows(p)))
         elif g is not None:
             out[n] = g
@@ -345,8 +345,8 @@ def _uneven_round_trip(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dsd
 
-    from fsdp_compose import _layout
-    from fsdp_compose._registry import unit_of
+    from fsdp_compose._plan import _layout
+    from fsdp_compose._base._registry import unit_of
 
     def ours(seed):
         torch.manual_seed(seed)

@@ -40,7 +40,7 @@ def test_both_take_accelerates_fsdp2_path(runs):
             continue  # (test_trainer_trains_and_resumes_as_fsdp2)
         for r in per_rank:
             assert r["is_fsdp2"] and r["fsdp_module"], name
-    assert runs["ours"][0]["class_from"] == "fsdp_compose._fsdp_module"
+    assert runs["ours"][0]["class_from"] == "fsdp_compose._runtime._fsdp_module"
     assert runs["fsdp2"][0]["class_from"].startswith("torch.distributed.fsdp")
 
 
@@ -87,7 +87,7 @@ def test_trainer_trains_and_resumes_as_fsdp2(runs, sd_type):
     ours, f2 = runs[f"trainer_ours_{sd_type}"], runs[f"trainer_fsdp2_{sd_type}"]
     for r in ours + f2:
         assert r["fsdp2_path"]
-    assert ours[0]["class_from"] == "fsdp_compose._fsdp_module"
+    assert ours[0]["class_from"] == "fsdp_compose._runtime._fsdp_module"
     for a in ours:  # resumed against our own run: the same sums in the same order
         assert a["resumed"] == a["losses"][-2:]           # resumed at step 2: the same steps 3-4
     assert ours[0]["full"] and _same(ours[0]["full_resumed"], ours[0]["full"])

@@ -3,7 +3,7 @@ part of the one-minute tier (``make test-fast``).
 
 * The schedule of one step on the path every backend but gloo takes (NCCL's):
   uneven pieces padded to one equal-size collective ([Note: padded
-  collectives] in fsdp_compose/_collectives.py), the side-stream protocol
+  collectives] in fsdp_compose/_comm/_collectives.py), the side-stream protocol
   ([Note: side streams] in _streams.py, on the recording stream double of
   tests/test_streams.py), and the backward that reshards a unit after its
   post-backward (gloo reshards it as soon as its gradients are computed:
@@ -13,7 +13,7 @@ part of the one-minute tier (``make test-fast``).
 * What needs no collective, checked by value: ``materialize`` at 2 ranks
   (rank 0 and rank 1, in turn); a training step, ``clip_grad_norm_`` and a
   checkpoint round trip at world size 1; ``use_as_fsdp2``; the rendezvous
-  helpers of ``fsdp_compose._launch``.
+  helpers of ``fsdp_compose._base._launch``.
 """
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import (_layout, clip_grad_norm_, comm_stats, fully_shard, param_info,
-                          record_schedule, reset_comm_stats)
+from fsdp_compose import (clip_grad_norm_, comm_stats, fully_shard, param_info, record_schedule,
+                           reset_comm_stats)
+
+from fsdp_compose._plan import _layout
 from ._pieces import local_piece
 from ._support import (Net, rows, StreamDouble, check_stream_protocol, per_unit_collectives,
                        recording, shard)
@@ -181,7 +183,7 @@ final_callback""")
 def _blocking_step(rank: int, per_unit: bool) -> dict:
     """The second step of the same model (equal chunks) as ``rank`` of 2 with
     the CPU backend (``BlockingStreams``, gloo's backward: [Note: gloo
-    backward] in fsdp_compose/_state.py): its schedule and collective counts."""
+    backward] in fsdp_compose/_runtime/_state.py): its schedule and collective counts."""
     with fake_group(rank, 2):
         torch.manual_seed(0)
         m = shard(Net(n=2))
@@ -348,7 +350,7 @@ def test_launch_helpers_set_torchruns_variables_and_join_the_group(monkeypatch):
     the tests that launch)."""
     from datetime import timedelta
 
-    from fsdp_compose import _launch
+    from fsdp_compose._base import _launch
 
     port = _launch.free_port()
     with socket.socket() as s:  # free now

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose._flat_group import FlatGroup, GroupSpec
+from fsdp_compose._group._flat_group import FlatGroup, GroupSpec
 
 pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
 

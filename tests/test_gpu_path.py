@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp_compose._streams as streams_mod
+import fsdp_compose._comm._streams as streams_mod
 from benchmarks._fake_cuda import CudaJob
 from fsdp_compose import (CPUOffloadPolicy, clip_grad_norm_, fully_shard, materialize,
                           param_info)

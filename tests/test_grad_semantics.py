@@ -33,7 +33,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, _grad_path
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy
+
+from fsdp_compose._group import _grad_path
 
 from ._grad_nets import D, Blk, FreezeNet, adamw, batch, shard_units
 from ._support import Scenarios, compare_step, compare_with_reference

@@ -1,4 +1,4 @@
-"""Per-job state (fsdp_compose/_job.py): a new default process group in the
+"""Per-job state (fsdp_compose/_base/_job.py): a new default process group in the
 same process starts from nothing of the last one.
 
 In this process, on torch's fake process group (collectives do nothing), so
@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose import _divergence, comm_stats, fully_shard
-from fsdp_compose._registry import unit_of
+from fsdp_compose import comm_stats, fully_shard
+
+from fsdp_compose._comm import _divergence
+from fsdp_compose._base._registry import unit_of
 
 pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
 

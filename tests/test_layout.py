@@ -1,4 +1,4 @@
-"""The layout arithmetic (fsdp_compose/_layout.py), in one process: no dist.
+"""The layout arithmetic (fsdp_compose/_plan/_layout.py), in one process: no dist.
 
 Invariants checked on hand-made and random groups, at several world sizes:
 every parameter is contiguous and aligned in the unsharded flat, inside it,
@@ -16,8 +16,8 @@ from unittest import mock
 
 import pytest
 
-from fsdp_compose import _layout
-from fsdp_compose._layout import Layout, Piece, Slot, plan
+from fsdp_compose._plan import _layout
+from fsdp_compose._plan._layout import Layout, Piece, Slot, plan
 
 
 def _check(layout: Layout, align: int) -> None:

@@ -12,8 +12,14 @@ import torch.nn.functional as F
 
 import torch.distributed as dist
 
-from fsdp_compose import _backward_schedule, _flat_group, _registry, fully_shard
-from fsdp_compose._job import job
+from fsdp_compose import fully_shard
+
+from fsdp_compose._runtime import _backward_schedule
+
+from fsdp_compose._group import _flat_group
+
+from fsdp_compose._base import _registry
+from fsdp_compose._base._job import job
 
 from ._dist import run_distributed
 from ._support import rows
@@ -166,7 +172,9 @@ def _launches_alive(rank, world, side_streams: bool, bucket_bytes: int):
     import contextlib
     import gc
 
-    from fsdp_compose import _grad_path, _streams
+    from fsdp_compose._group import _grad_path
+
+    from fsdp_compose._comm import _streams
 
     from ._support import StreamDouble, recording
     gc.collect()

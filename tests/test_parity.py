@@ -332,14 +332,14 @@ def uneven_pieces(shard):
     def f(m, impl):
         if not impl.flat:
             return shard(m, impl)
-        from fsdp_compose import _layout
+        from fsdp_compose._plan import _layout
         _layout.FORCE_EVEN = False
         try:
             out = shard(m, impl)
         finally:
             _layout.FORCE_EVEN = None
         if dist.get_world_size() > 1:  # (the scenario would not test what it says)
-            from fsdp_compose._registry import unit_of
+            from fsdp_compose._base._registry import unit_of
             units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
             assert not all(g.layout.even for u in units.values() for g in u.groups)
         return out
@@ -351,19 +351,19 @@ def padded_pieces(shard):
     """``uneven_pieces``, with the collectives every backend but gloo runs:
     one equal-size all-gather / reduce-scatter per bucket, every piece
     padded to its group's largest through a staging buffer ([Note: padded
-    collectives] in fsdp_compose/_collectives.py), here on gloo with real
+    collectives] in fsdp_compose/_comm/_collectives.py), here on gloo with real
     data (the groups are built while ``PAD_UNEVEN_ON_GLOO`` is set)."""
     def f(m, impl):
         if not impl.flat:
             return shard(m, impl)
-        from fsdp_compose import _collectives
+        from fsdp_compose._comm import _collectives
         _collectives.PAD_UNEVEN_ON_GLOO = True
         try:
             out = uneven_pieces(shard)(m, impl)
         finally:
             _collectives.PAD_UNEVEN_ON_GLOO = False
         if dist.get_world_size() > 1:
-            from fsdp_compose._registry import unit_of
+            from fsdp_compose._base._registry import unit_of
             units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
             assert any(g.padded() for u in units.values() for g in u.groups)
         return out

@@ -19,7 +19,7 @@ from unittest import mock
 
 import pytest
 
-from fsdp_compose import _layout
+from fsdp_compose._plan import _layout
 from tests._dist import run_distributed
 from tools import _planner
 from tools.plan import (FIGURES, PlanConfig, compare, format_plan, main, plan_world,

@@ -1,4 +1,4 @@
-"""Sharded parameters as DTensors (fsdp_compose/_row_dtensor.py, docs/dtensor-params.md).
+"""Sharded parameters as DTensors (fsdp_compose/_group/_row_dtensor.py, docs/dtensor-params.md).
 
 One worker per world size (2 and 4 gloo ranks) builds RowParams over uneven
 splits with empty pieces (first, middle and last rank) and records, per
@@ -125,8 +125,8 @@ def _copy_results(param, srcs: dict, a: int, b: int) -> dict:
 def _step_both(do, lo, dp, lp, a: int, b: int, steps: int = 3) -> None:
     """``steps`` steps of ``do`` on RowParam ``dp`` (through the local swap,
     as the global step hooks run it) and of ``lo`` on plain ``lp``, alike."""
-    from fsdp_compose._local_step import restore, swap_in
-    from fsdp_compose._row_dtensor import row_param
+    from fsdp_compose._optim._local_step import restore, swap_in
+    from fsdp_compose._group._row_dtensor import row_param
 
     for step in range(steps):
         g = _full(10 + step)[a:b]
@@ -145,7 +145,7 @@ def _torch_clip_result(param, full, a: int, b: int) -> tuple:
     (its norm, the unsharded norm, the clipped gradients equal)."""
     from torch.distributed.tensor import DTensor
 
-    from fsdp_compose._row_dtensor import row_param
+    from fsdp_compose._group._row_dtensor import row_param
 
     cp = param(full)
     cp.grad = row_param(_full(20)[a:b].clone(), cp._spec)
@@ -167,7 +167,7 @@ def _worker(rank: int, ws: int) -> dict:
                                           distribute_tensor)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
+    from fsdp_compose._group._row_dtensor import RowShard, row_param, row_spec
 
     mesh = init_device_mesh("cpu", (ws,))
     cuts = SPLITS[ws]
@@ -196,7 +196,7 @@ def _worker(rank: int, ws: int) -> dict:
     out["chunked_after"] = torch.equal(chunked.full_tensor(), full)  # cache not poisoned
     # DTensor's C++ dispatch cache keys a placement by (type, dim): after ops on
     # ours, the same ops on a plain Shard(0) tensor of that shape and mesh must
-    # not get our split back (fsdp_compose/_compat.py)
+    # not get our split back (fsdp_compose/_base/_compat.py)
     with torch.no_grad():
         for f in (lambda t: t.detach(), lambda t: t + 1, lambda t: t.clone(), lambda t: t * 2):
             f(p)
@@ -503,7 +503,9 @@ def _user_changes_worker(rank: int, ws: int) -> dict:
 
     from torch.distributed.tensor import DTensor
 
-    from fsdp_compose import _local_step, fully_shard
+    from fsdp_compose import fully_shard
+
+    from fsdp_compose._optim import _local_step
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
@@ -583,7 +585,7 @@ def _hsdp_worker(rank: int, ws: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from fsdp_compose._row_dtensor import RowShard, row_param, row_spec
+    from fsdp_compose._group._row_dtensor import RowShard, row_param, row_spec
 
     mesh = init_device_mesh("cpu", (2, 2))
     cuts = SPLITS[2]

@@ -3,7 +3,7 @@ process group on CPU, as rank 0 and as the most-loaded rank.
 
 The fake group's backend is not gloo, so groups of uneven pieces take the path
 every backend but gloo takes ([Note: padded collectives] in
-fsdp_compose/_collectives.py): one equal-size ``all_gather_into_tensor`` /
+fsdp_compose/_comm/_collectives.py): one equal-size ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` per bucket, pieces padded through a staging buffer.
 (The backward is the blocking one, as on any CPU backend.) The model is the
 demo Llama at dim 64 with every row layout forced to uneven pieces (at these
@@ -24,7 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import _collectives, comm_stats, reset_comm_stats
+from fsdp_compose import comm_stats, reset_comm_stats
+
+from fsdp_compose._comm import _collectives
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -77,7 +79,7 @@ class _Emulated:
 def _step(world: int, rank: int, cfg) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_compose._grad_path import GradientPath
+    from fsdp_compose._group._grad_path import GradientPath
     from tools import _measure
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fsdp_compose import fully_shard, param_info
-from fsdp_compose._registry import SHARDED as _SHARDED
+from fsdp_compose._base._registry import SHARDED as _SHARDED
 
 from ._dist import run_distributed
 from ._pieces import local_piece

@@ -116,7 +116,7 @@ def test_titan_builds_and_inits_after_sharding(runs):
     """Built on meta, sharded by torchtitan's parallelize_llama, then its
     init_weights (the fused-QKV init copies a full tensor into each parameter)."""
     ours = _titan(runs, "ours", "build")
-    assert ours[0]["params"]["class_from"] == "fsdp_compose._fsdp_module"
+    assert ours[0]["params"]["class_from"] == "fsdp_compose._runtime._fsdp_module"
 
 
 @titan
@@ -184,7 +184,7 @@ def test_lit_trains_as_fsdp2(runs):
     """configure_model's fully_shard, fit: FSDP2's losses and parameters, bitwise."""
     for fmt in FORMATS:
         for a, b in zip(_lit(runs, "ours", fmt, "fit"), _lit(runs, "fsdp2", fmt, "fit")):
-            assert a["params"]["class_from"] == "fsdp_compose._fsdp_module"
+            assert a["params"]["class_from"] == "fsdp_compose._runtime._fsdp_module"
             assert a["uninterrupted"] == b["uninterrupted"]
             assert _same(a["full_after"], b["full_after"])
 

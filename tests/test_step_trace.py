@@ -109,7 +109,7 @@ def test_tracer_on_a_package(tmp_path, monkeypatch):
 def test_a_step_of_ours():
     """One traced step of ours, in this process: the events balance, each
     rule counts no more than the one before it, and control goes one way
-    ([Note: one-way control] in fsdp_compose/_state.py): no file calls back
+    ([Note: one-way control] in fsdp_compose/_runtime/_state.py): no file calls back
     into a file already on the stack, and no two files call each other, under
     every rule."""
     assert not dist.is_initialized()

@@ -3,7 +3,7 @@
 No GPU here: the manager takes a ``runtime`` (streams and events), and this
 test gives it a recording double whose events order nothing (``StreamDouble``
 of tests/_support.py), over gloo. What it checks is what the CUDA path relies
-on (see [Note: side streams] in fsdp_compose/_streams.py):
+on (see [Note: side streams] in fsdp_compose/_comm/_streams.py):
 
 - every all-gather is issued on the all-gather stream, every reduce-scatter
   (and the all-reduce of its used-flags) on the reduce-scatter stream, never
@@ -28,7 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import _grad_path, fully_shard, param_info
+from fsdp_compose import fully_shard, param_info
+
+from fsdp_compose._group import _grad_path
 from ._pieces import piece_close
 
 from ._dist import run_distributed
@@ -44,7 +46,7 @@ def _train(streams: bool, per_unit: bool, padded: bool = False):
     """Two steps of ours (4 blocks + root, resharding after forward); the log if
     ``streams``. ``padded``: every row layout uneven pieces, gathered and
     reduced by the padded equal-size collectives (NCCL's path, here on gloo:
-    [Note: padded collectives] in fsdp_compose/_collectives.py)."""
+    [Note: padded collectives] in fsdp_compose/_comm/_collectives.py)."""
     torch.manual_seed(0)
     model = Net(n=4)
     ref = copy.deepcopy(model)
@@ -60,7 +62,8 @@ def _train(streams: bool, per_unit: bool, padded: bool = False):
         seam.__enter__()
         patched.append(lambda: seam.__exit__(None, None, None))
     try:
-        from fsdp_compose import _collectives, _layout
+        from fsdp_compose._comm import _collectives
+        from fsdp_compose._plan import _layout
         _layout.FORCE_EVEN, _collectives.PAD_UNEVEN_ON_GLOO = (False, True) if padded else (None,
                                                                                            False)
         try:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import param_info
-from fsdp_compose._registry import SHARDED as _SHARDED
+from fsdp_compose._base._registry import SHARDED as _SHARDED
 
 from ._pieces import local_piece
 from ._support import Scenarios, compare_step

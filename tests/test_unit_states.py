@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_compose._common import TrainingState as S
-from fsdp_compose._unit import _MOVES, Unit
+from fsdp_compose._base._common import TrainingState as S
+from fsdp_compose._runtime._unit import _MOVES, Unit
 
 pytestmark = pytest.mark.fast  # no process: the one-minute tier (make test-fast)
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, comm_stats,
                           fully_shard, materialize, reset_comm_stats)
 
-from fsdp_compose import _layout
+from fsdp_compose._plan import _layout
 
 from ._dist import run_distributed
 from ._grad_nets import FreezeNet, adamw, batch, shard_units

@@ -158,7 +158,7 @@ def pytree_outputs(rank, world):
 
 
 def _to64(out):
-    return fsdp_compose._compat.tree_map_tensors(lambda t: t.double(), out)
+    return fsdp_compose._base._compat.tree_map_tensors(lambda t: t.double(), out)
 
 
 # ------------------------------------------------------ forward-mode AD
@@ -229,7 +229,7 @@ def model_wide_ignored(rank, world):
     for p in ignored:
         if p not in set(m.parameters()) or tuple(p.shape) != kept[id(p)]:
             bad.append(f"ignored parameter {tuple(p.shape)} was replaced or reshaped")
-        if p in fsdp_compose._registry.SHARDED:
+        if p in fsdp_compose._base._registry.SHARDED:
             bad.append(f"ignored parameter {tuple(p.shape)} was sharded")
     # every rank sees the same batch: an ignored parameter's (unreduced) gradient
     # then equals the reference's, as do the sharded ones

@@ -36,15 +36,15 @@ class Tracker:
         self._prev = None
 
     def __enter__(self) -> "Tracker":
-        from fsdp_compose import _common
+        from fsdp_compose._base import _common
         self._prev, _common._trace = _common._trace, self
         return self
 
     def __exit__(self, *exc) -> None:
-        from fsdp_compose import _common
+        from fsdp_compose._base import _common
         _common._trace = self._prev
 
-    def append(self, item: tuple) -> None:  # called by fsdp_compose._common.trace
+    def append(self, item: tuple) -> None:  # called by fsdp_compose._base._common.trace
         event, fqn, _ = item
         root = self.units[0]
         if event == "pre_forward" and fqn == root.fqn:
@@ -85,7 +85,7 @@ class Tracker:
 
 
 def _storage_bytes(tensors) -> int:
-    from fsdp_compose._row_dtensor import local_of
+    from fsdp_compose._group._row_dtensor import local_of
     seen = {}
     for t in tensors:
         s = local_of(t).untyped_storage()  # (a DTensor's storage is its local tensor's)
@@ -124,8 +124,8 @@ def setup(cfg, rank: int, world: int):
     """The model built for real (seed 0 on every rank) and sharded as the plan
     does; its units (root first), optimizer and this rank's batch."""
     import torch
-    from fsdp_compose._job import job
-    from fsdp_compose._registry import unit_of
+    from fsdp_compose._base._job import job
+    from fsdp_compose._base._registry import unit_of
     from tools.plan import build_model, make_mesh, make_optimizer, select_blocks, shard
     # as a plan does, from no rank loads (uneven layouts even out the loads of
     # the groups built before them: an earlier run in this job would move
@@ -184,7 +184,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, path: str) -> None
 
     import torch.distributed as dist
 
-    from fsdp_compose._launch import init_gloo
+    from fsdp_compose._base._launch import init_gloo
     try:
         init_gloo(rank, world, port, threads=1)
         try:
@@ -203,7 +203,7 @@ def launch(cfg, world: int, fn=measure_rank, args: tuple = (), timeout: float = 
     import multiprocessing as mp
     import pickle
 
-    from fsdp_compose._launch import free_port
+    from fsdp_compose._base._launch import free_port
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fsdp_compose_tools_") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]

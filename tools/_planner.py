@@ -42,7 +42,7 @@ package's ``PlanWalker``, as RootContext's backward does: the walker returns
 the all-gathers and reduce-scatters due, and the replay performs them with
 sizes (memory and collective bookkeeping) where the runtime issues them.
 
-Two backward schedules, as in [Note: gloo backward] (fsdp_compose/_state.py):
+Two backward schedules, as in [Note: gloo backward] (fsdp_compose/_runtime/_state.py):
 ``"cuda"`` (NCCL: prefetch at pre-backward, reshard at post-backward, a
 reduce-scatter waited when the next one launches) and ``"gloo"`` (CPU:
 reshard, prefetch, then wait, once a unit's gradients are computed).
@@ -51,10 +51,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fsdp_compose import _layout
-from fsdp_compose._backward_plan import GATHER, PlanWalker, StepRecord, build_plan
+from fsdp_compose._plan import _layout
+from fsdp_compose._plan._backward_plan import GATHER, PlanWalker, StepRecord, build_plan
 from fsdp_compose.api import CommStats
-from fsdp_compose._grad_path import INLINE_FLAGS_BYTES
+from fsdp_compose._group._grad_path import INLINE_FLAGS_BYTES
 
 # -------------------------------------------------------------- description
 @dataclass(eq=False)
@@ -128,7 +128,7 @@ class GroupInfo:
     @property
     def flags(self) -> int:
         """E: one used-flag per parameter ([Note: parameters without a
-        gradient] in fsdp_compose/_grad_path.py)."""
+        gradient] in fsdp_compose/_group/_grad_path.py)."""
         return len(self.entries)
 
     @property
@@ -409,7 +409,7 @@ class Step:
     def _bucket_gathered(self, groups: list[GroupInfo]) -> None:
         """A bucket's flats are allocated when each group waits; on gloo the
         previous bucket of the dtype is flushed first (its kept buffer is
-        reused: see [Note: bucket buffers] in fsdp_compose/_streams.py)."""
+        reused: see [Note: bucket buffers] in fsdp_compose/_comm/_streams.py)."""
         if self.gloo:
             for g in self.ag_held.pop(groups[0].compute_dtype, []):
                 self.lazy.discard(id(g))
@@ -629,7 +629,7 @@ def hsdp_proposal(units: list[UnitInfo], step: Step, world: int,
     Counted as ``comm_stats()`` counts them (a collective's buffer: the flat
     for all-gathers and reduce-scatters, the shard for HSDP's all-reduce), so
     what HSDP saves is padding: the layouts pad by up to about a row per rank
-    ([Note: shard layout] in fsdp_compose/_layout.py), which is most of a
+    ([Note: shard layout] in fsdp_compose/_plan/_layout.py), which is most of a
     rank's share once that share is a row or less. Each group is laid out
     again at ``n`` ranks by the library's own ``_layout.plan`` (groups with
     the same parameter shapes once per size: a 4096-rank 70B plan stays in

@@ -12,7 +12,7 @@ Read with ``ast`` (nothing is imported). An edge ``a -> b`` is an import of
 - ``type``: under ``if TYPE_CHECKING:`` (never runs). Printed, but not
   counted for cycles: it names a type for the reader and a type checker.
 
-The implicit import of a parent package (importing ``fsdp_compose._unit``
+The implicit import of a parent package (importing ``fsdp_compose._runtime._unit``
 runs ``fsdp_compose/__init__.py`` first) is not an edge; an explicit
 ``import fsdp_compose`` or ``from fsdp_compose import x`` inside the
 package is one, to ``fsdp_compose``.

@@ -169,7 +169,7 @@ def shard(model, blocks: list, cfg: PlanConfig, mesh) -> None:
     settings; ``cfg.row_layout`` other than "auto" forces every row layout to
     equal chunks or uneven pieces (what-if plans: the equal chunks of before
     uneven pieces existed, docs/design.md "Row-granular shards at scale")."""
-    from fsdp_compose import _layout
+    from fsdp_compose._plan import _layout
     _layout.FORCE_EVEN = ROW_LAYOUTS[cfg.row_layout]
     try:
         _shard(model, blocks, cfg, mesh)
@@ -251,7 +251,7 @@ def plan_world(cfg: PlanConfig, world: int) -> WorldPlan:
     """The plan at ``world`` ranks (see the module docstring)."""
     import torch
     import torch.distributed as dist
-    from fsdp_compose._registry import unit_of
+    from fsdp_compose._base._registry import unit_of
     from tools import _planner
 
     t0 = time.perf_counter()

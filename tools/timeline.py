@@ -56,12 +56,12 @@ class _Marks:
     at every schedule event."""
 
     def __enter__(self):
-        from fsdp_compose import _common
+        from fsdp_compose._base import _common
         self._prev, _common._trace = _common._trace, self
         return self
 
     def __exit__(self, *exc):
-        from fsdp_compose import _common
+        from fsdp_compose._base import _common
         _common._trace = self._prev
 
     def append(self, item: tuple) -> None:
@@ -143,7 +143,7 @@ def _spans(trace_path: str) -> dict:
             if unit is not None:
                 add(kind, unit, a, b)
     # a small reduce-scatter over 2 ranks is a point-to-point exchange ([Note:
-    # gloo collectives] in fsdp_compose/_gloo.py): drawn from its
+    # gloo collectives] in fsdp_compose/_comm/_gloo.py): drawn from its
     # receive's gloo:recv event (posted -> landed, on the main thread)
     issues = [e["ts"] for e in mine if e["name"] == "c10d::recv_"]
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "gloo:recv")

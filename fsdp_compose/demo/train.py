@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 import fsdp_compose
-from fsdp_compose._launch import free_port, init_gloo
+from fsdp_compose._base._launch import free_port, init_gloo
 from fsdp_compose.demo.data import BatchSampler, CharTokenizer, load_text
 from fsdp_compose.demo.model import ModelArgs, Transformer
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from . import _compat
-from ._layout import Layout
+from .._base import _compat
+from .._plan._layout import Layout
 from ._row_dtensor import RowParam, local_of, row_param, row_spec
 
 # RowParam's __torch_function__ skipped for our own per-step reads and writes

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from ._checkpoint import _units
-from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, state_dict_slots
-from ._row_dtensor import local_of
-from ._common import default_device
-from ._common import rank as _rank
+from .._base._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, state_dict_slots
+from .._group._row_dtensor import local_of
+from .._base._common import default_device
+from .._base._common import rank as _rank
 
 
 def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:

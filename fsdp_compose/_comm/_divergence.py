@@ -58,9 +58,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import _compat
-from ._common import label, rank, unit_error
-from ._job import job
+from .._base import _compat
+from .._base._common import label, rank, unit_error
+from .._base._job import job
 
 
 class DivergenceError(RuntimeError):

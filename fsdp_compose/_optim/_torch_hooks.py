@@ -57,12 +57,16 @@ import torch.nn as nn
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from . import _compat, _divergence, _local_step
-from ._common import rank as _rank, unit_error
-from ._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
+from .._base import _compat
+
+from .._comm import _divergence
+
+from . import _local_step
+from .._base._common import rank as _rank, unit_error
+from .._base._optim_kinds import (ELEMENTWISE, GLOBAL, KIND_BY_CLASS as _KIND_BY_CLASS,
                            KINDS as _KINDS, optimizer_kind, steps_empty_pieces)
-from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
-from ._row_dtensor import RowParam
+from .._base._registry import ORIGINAL_ENTRY, REPLACED, SHARDED
+from .._group._row_dtensor import RowParam
 
 
 def declare_optimizer(cls: type, kind: str) -> None:
@@ -139,7 +143,7 @@ def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs):
         seen = _checked[opt] = (sig, _holds_sharded(opt), _empty_pieces_to_hide(opt),
                                 optimizer_kind(type(opt)) is None and _is_container(opt))
         if seen[1]:  # its state dicts in FSDP2's form (and state loaded before this step)
-            from ._checkpoint import attach_optimizer
+            from ..checkpoint._checkpoint import attach_optimizer
             attach_optimizer(opt)
     if seen[1]:  # the steps every rank must take alike (see [Note: divergence])
         _divergence.count_optimizer_step()

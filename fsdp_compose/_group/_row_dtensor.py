@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from . import _compat
-from ._common import all_gather_tensor
+from .._base import _compat
+from .._base._common import all_gather_tensor
 
 __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
 
@@ -94,7 +94,7 @@ def _collective(kind: str, mesh, mesh_dim: int, device: torch.device, issue) -> 
     work) on the mesh dim's group as a user's call: on some ranks only, it
     raises on every rank at the others' next step check instead of waiting
     for the backend's timeout (_divergence.user_collective)."""
-    from . import _divergence
+    from .._comm import _divergence
     doing = f"{_describe_doing()} ({kind})"
     _divergence.user_collective(mesh.get_group(mesh_dim), issue, doing,
                                 blocks_cpu=device.type == "cpu")
@@ -356,6 +356,7 @@ def _rebuild(local, spec, requires_grad: bool, is_param: bool, extra: dict):
         t = torch.nn.Parameter(t, requires_grad=requires_grad)
     t.__dict__.update(extra)
     return t
+
 
 
 def _refuse(op: str, params, why: str) -> NotImplementedError:

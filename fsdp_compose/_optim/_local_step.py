@@ -45,8 +45,8 @@ from operator import attrgetter, is_
 
 import torch
 
-from . import _row_dtensor
-from ._row_dtensor import RowParam, row_param
+from .._group import _row_dtensor
+from .._group._row_dtensor import RowParam, row_param
 
 _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Swap in force
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # optimizer -> its _Swap

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from ._unit import Unit
+    from .._runtime._unit import Unit
 
 _UNIT_ATTR = "_fsdp_unit"
 

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from . import _compat
-from ._common import (Kept, ReduceSettings, RootSettings, ShardedState,
+from .._base import _compat
+from .._base._common import (Kept, ReduceSettings, RootSettings, ShardedState,
                       TrainingState, UnitSettings, trace, unit_error)
-from ._flat_group import FlatGroup
+from .._group._flat_group import FlatGroup
 
 if TYPE_CHECKING:
     from ._state import RootContext

@@ -16,8 +16,8 @@ from ._flat_group import FlatGroup, gather_bucket
 from ._grad_path import launch_bucket
 
 if TYPE_CHECKING:
-    from ._streams import Backend
-    from ._unit import Unit
+    from .._comm._streams import Backend
+    from .._runtime._unit import Unit
 
 
 def all_gather(units: list[Unit], streams: Backend, bucket: bool) -> None:

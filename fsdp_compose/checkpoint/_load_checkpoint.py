@@ -48,12 +48,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _compat
+from .._base import _compat
 from ._checkpoint import (_as_list, _keyed_params, _load_entry, _optim_load_dict, _param_fqns,
                           _units, get_state_dict, optim_state_from_dtensors, shapes_only)
-from ._common import META_FIX, TrainingState, rank as _rank, unit_error
-from ._registry import SHARDED, state_dict_slots
-from ._row_dtensor import local_of, row_param
+from .._base._common import META_FIX, TrainingState, rank as _rank, unit_error
+from .._base._registry import SHARDED, state_dict_slots
+from .._group._row_dtensor import local_of, row_param
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
 

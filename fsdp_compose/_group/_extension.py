@@ -27,11 +27,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import _compat, _layout
-from ._common import ShardedState, unit_error
+from .._base import _compat
+
+from .._plan import _layout
+from .._base._common import ShardedState, unit_error
 from ._flat_group import FlatGroup, FlatMode, _GATHER
 from ._param_entry import ExtSpec, _data_name, inner_data
-from ._streams import Backend
+from .._comm._streams import Backend
 
 
 def defines_extension(t: torch.Tensor) -> bool:
@@ -271,7 +273,7 @@ class ExtensionGroup(FlatGroup):
         the output it is gathered into)], each as bytes."""
         e = self.entries[0]
         if self.device.type == "meta":
-            from ._common import META_FIX
+            from .._base._common import META_FIX
             raise unit_error(self.unit_fqn, f"parameters ['{e.fqn}'] are on the meta device.",
                              META_FIX)
         self.unsharded_version = self.shard._version

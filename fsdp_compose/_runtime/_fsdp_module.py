@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
-from ._common import Gather, Kept, TrainingState, root_setting_fix, unit_error
-from ._flat_group import FlatGroup
-from ._registry import SHARDED, unit_of
-from ._row_dtensor import local_of
+from .._base._common import Gather, Kept, TrainingState, root_setting_fix, unit_error
+from .._group._flat_group import FlatGroup
+from .._base._registry import SHARDED, unit_of
+from .._group._row_dtensor import local_of
 from ._state import hook_grads, post_forward, pre_forward, root_of
 from ._unit import Unit
 

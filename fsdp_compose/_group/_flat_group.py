@@ -50,12 +50,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _collectives, _layout
-from ._common import META_FIX, ShardedState, unit_error, weak_hook
+from .._comm import _collectives
+
+from .._plan import _layout
+from .._base._common import META_FIX, ShardedState, unit_error, weak_hook
 from ._grad_path import GradientPath
 from ._param_entry import ParamEntry, make_entries, user_attrs
 from ._row_dtensor import local_of
-from ._streams import Backend, Pending
+from .._comm._streams import Backend, Pending
 
 # which collective a unit waits for, in a DivergenceError (see _divergence.py)
 _GATHER = "the all-gather of its parameters"

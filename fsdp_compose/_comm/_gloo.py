@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ._job import job
+from .._base._job import job
 
 P2P_MAX_BYTES = 1 << 20  # 2-rank gloo reduce-scatters up to this input: an exchange (the Note)
 

@@ -10,8 +10,8 @@ by ``root_pre_forward``.
 """
 from __future__ import annotations
 
-from . import _collectives
-from ._common import TrainingState
+from .._comm import _collectives
+from .._base._common import TrainingState
 
 
 class SettingsFingerprint:

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from . import _divergence, _gloo
-from ._common import all_gather_tensor, group_backends, reduce_scatter_tensor
-from ._job import job
-from .api import CommStats
+from .._base._common import all_gather_tensor, group_backends, reduce_scatter_tensor
+from .._base._job import job
+from ..api import CommStats
 
 
 def _stats() -> CommStats:

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Generator, Iterator
 
 import torch
 
-from . import _compat
-from ._backward_plan import StepRecord
-from ._common import unit_error
-from ._forward_order import NO_BACKWARD, ForwardOrder, merged
+from .._base import _compat
+from .._plan._backward_plan import StepRecord
+from .._base._common import unit_error
+from .._plan._forward_order import NO_BACKWARD, ForwardOrder, merged
 
 if TYPE_CHECKING:
-    from ._streams import Backend
+    from .._comm._streams import Backend
     from ._unit import Unit
 
 # a skipped event of the order, for the root to act on: (index, pre, unit, flag)

@@ -16,17 +16,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._checkpoint import register_hooks as register_state_dict_hooks
-from ._common import default_device, unit_error
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
-from . import _extension
-from ._flat_group import FlatGroup, PostForward
+from ..checkpoint._checkpoint import register_hooks as register_state_dict_hooks
+from .._base._common import default_device, unit_error
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ParamInfo
+from .._group import _extension
+from .._group._flat_group import FlatGroup, PostForward
 from ._fsdp_module import add_forward_hooks, make_fsdp_module, original_class
-from ._job import job
-from ._layout import GRANULARITIES
-from ._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
+from .._base._job import job
+from .._plan._layout import GRANULARITIES
+from .._base._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, set_unit, unit_of
 from ._state import assign_fqns, hook_grads
-from . import _torch_hooks
+from .._optim import _torch_hooks
 from ._unit import Unit
 
 

@@ -48,16 +48,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import _compat, _divergence, _group_ops
-from ._backward_plan import GATHER, PlanWalker, StepRecord, build_plan
+from .._base import _compat
+
+from .._comm import _divergence
+
+from .._group import _group_ops
+from .._plan._backward_plan import GATHER, PlanWalker, StepRecord, build_plan
 from ._backward_schedule import Reductions
-from ._common import (META_FIX, Gather, Kept, Reshard, RootSettings, ShardedState,
+from .._base._common import (META_FIX, Gather, Kept, Reshard, RootSettings, ShardedState,
                       TrainingState, label, root_setting_fix, trace, unit_error)
-from ._forward_order import GRAD, ISLAND, NO_BACKWARD
+from .._plan._forward_order import GRAD, ISLAND, NO_BACKWARD
 from ._forward_walk import ForwardTracker, LastStepOrder
-from ._registry import units_below
+from .._base._registry import units_below
 from ._step_checks import SettingsFingerprint, left_half_done
-from ._streams import make_streams, runtime_for
+from .._comm._streams import make_streams, runtime_for
 from ._unit import IN_BACKWARD, Unit
 
 

@@ -37,12 +37,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _collectives, _layout
-from ._common import TrainingState, rank as _rank
-from ._job import job
-from ._optim_kinds import steps_empty_pieces
-from ._registry import SHARDED, state_dict_slots, units_below
-from ._row_dtensor import RowParam, RowShard, local_of, row_param
+from .._comm import _collectives
+
+from .._plan import _layout
+from .._base._common import TrainingState, rank as _rank
+from .._base._job import job
+from .._base._optim_kinds import steps_empty_pieces
+from .._base._registry import SHARDED, state_dict_slots, units_below
+from .._group._row_dtensor import RowParam, RowShard, local_of, row_param
 
 
 # ------------------------------------------------------------ rows <-> chunks

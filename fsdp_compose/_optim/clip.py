@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _collectives
-from ._common import rank as _rank
-from ._registry import SHARDED
+from .._comm import _collectives
+from .._base._common import rank as _rank
+from .._base._registry import SHARDED
 
 
 def _shard_groups(mesh, placements) -> tuple:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _group_ops
-from ._common import label, trace
+from .._group import _group_ops
+from .._base._common import label, trace
 
 if TYPE_CHECKING:
-    from ._streams import Backend
+    from .._comm._streams import Backend
     from ._unit import Unit
 
 

@@ -52,9 +52,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import _collectives, _layout
-from ._common import ReduceSettings, label
-from ._streams import Backend, Pending
+from .._comm import _collectives
+
+from .._plan import _layout
+from .._base._common import ReduceSettings, label
+from .._comm._streams import Backend, Pending
 
 # A flat gradient up to this size carries its used-flags in its own
 # reduce-scatter (one copy, into a buffer with E more columns); a larger one
