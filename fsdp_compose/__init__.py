@@ -10,6 +10,8 @@ from ._base._common import ShardedState, TrainingState, record_schedule
 from ._comm._divergence import DivergenceError
 from ._runtime._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._runtime._fully_shard import fully_shard, param_info
+from ._group._row_dtensor import RowShard
+from ._group._row_dtensor import _rebuild as _rebuild_row_param  # noqa: F401  (pickles: there)
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
 from .checkpoint._checkpoint import get_state_dict, set_state_dict
@@ -45,5 +47,6 @@ __all__ = [
     "CheckpointLoadError",
     "materialize",
     "use_as_fsdp2",
+    "RowShard",
 ]
 __version__ = "0.1.0"

@@ -358,6 +358,14 @@ def _rebuild(local, spec, requires_grad: bool, is_param: bool, extra: dict):
     return t
 
 
+# A pickle names a class or function by its module path: ``torch.save`` of a
+# state dict writes these two. They are named by the package's top (which
+# exports them) rather than by this file's folder, so a saved file does not
+# depend on where the module lives in the package.
+RowShard.__module__ = "fsdp_compose"
+_rebuild.__module__ = "fsdp_compose"
+_rebuild.__name__ = _rebuild.__qualname__ = "_rebuild_row_param"
+
 
 def _refuse(op: str, params, why: str) -> NotImplementedError:
     return NotImplementedError(
