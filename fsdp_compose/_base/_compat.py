@@ -13,7 +13,39 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
+# Why private: RowParam (_group/_row_dtensor.py) is a DTensor whose split is
+# ours (uneven rows), which torch's public constructors cannot express: its
+# spec (``DTensorSpec``, ``TensorMeta``) is built directly; the functional
+# collectives are the ones DTensor's own redistribute uses; the pytree walk
+# is torch's (no public pytree module in torch 2.11-2.14).
+import torch.distributed._functional_collectives as funcol  # noqa: F401
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.utils import _pytree
+from torch.utils._pytree import tree_leaves as pytree_leaves  # noqa: F401
+from torch.utils._pytree import tree_map_only  # noqa: F401
+
+# Why private: our own reads and writes of a RowParam's internals (its local
+# tensor, the flat's views, the optimizer step's swap) must not go through
+# RowParam.__torch_function__ (its guard refuses ops whose result depends on
+# the split, and each dispatch costs microseconds); torch has no public way
+# to run an op on a subclass without its __torch_function__.
+no_subclass_dispatch = torch._C.DisableTorchFunctionSubclass
+
+# Why private: RowParam's ``.data`` and ``.grad`` are Python properties over
+# torch's own C descriptors (through __torch_function__ a read costs 4-6 us,
+# and zero_grad reads every parameter's): the descriptors themselves.
+TENSOR_DATA = torch._C.TensorBase.data
+TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
+
+
+def fully_shard_homes() -> tuple:
+    """The modules that hold torch's ``fully_shard``: the public
+    ``torch.distributed.fsdp`` and, why private, the module torch defines it
+    in (``torch.distributed.fsdp._fully_shard``), which code inside torch and
+    some stacks import it from (``use_as_fsdp2`` rebinds both)."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp._fully_shard as tfsdp_impl
+    return (tfsdp, tfsdp_impl)
 
 
 def queue_final_callback(fn: Callable[[], None]) -> None:

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._base import _compat
 from .._comm import _collectives
 
 from .._plan import _layout
@@ -329,7 +330,7 @@ class FlatGroup:
         detached from the flat (no gradient, never folded into); a group with
         no trainable entry left stops requiring grad (no reduce-scatter), and
         starts again when one trains. Returns True when something changed."""
-        with torch._C.DisableTorchFunctionSubclass():  # (per forward: no RowParam dispatch)
+        with _compat.no_subclass_dispatch():  # (per forward: no RowParam dispatch)
             trains = tuple(e.sharded.requires_grad for e in self.entries)
         if trains == self._trains:
             return False

@@ -52,6 +52,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from .._base import _compat
 from .._comm import _collectives
 
 from .._plan import _layout
@@ -461,7 +462,7 @@ class GradientPath:
         ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
             entries = self.group.entries
-            with torch._C.DisableTorchFunctionSubclass():  # (no RowParam dispatch)
+            with _compat.no_subclass_dispatch():  # (no RowParam dispatch)
                 none = all(e.sharded.grad is None for e in entries)
             if none:  # the common case: adopt it
                 take = [t and (any_rank is None or any_rank[k])

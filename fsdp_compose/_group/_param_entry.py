@@ -15,14 +15,14 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._base import _compat
+from .._base._compat import DTensorSpec
 from .._plan._layout import Layout
 from ._row_dtensor import RowParam, local_of, row_param, row_spec
 
 # RowParam's __torch_function__ skipped for our own per-step reads and writes
-_NO_SUBCLASS_FN = torch._C.DisableTorchFunctionSubclass
+_NO_SUBCLASS_FN = _compat.no_subclass_dispatch
 
 # A DTensor Parameter's own attributes: never copied between Parameter objects
 # (the user's attributes are: see user_attrs).

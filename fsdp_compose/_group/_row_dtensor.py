@@ -38,13 +38,12 @@ from typing import Any, Sequence, overload
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .._base import _compat
+from .._base._compat import DTensorSpec, TensorMeta, funcol, tree_map_only
+from .._base._compat import pytree_leaves as tree_leaves
 from .._base._common import all_gather_tensor
 
 __all__ = ["RowShard", "RowParam", "row_param", "local_of"]
@@ -384,7 +383,7 @@ class RowParam(DTensor):
         # unless its data_ptr() is 0, which it is not for a local tensor with a
         # storage offset (our pieces are views into the flat shard): pickle
         # the local tensor and the spec instead.
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             extra = {k: v for k, v in self.__dict__.items()
                      if k not in ("_local_tensor", "_spec", "_is_param")}
             return (_rebuild, (self._local_tensor, self._spec, self.requires_grad,
@@ -395,11 +394,11 @@ class RowParam(DTensor):
     # every parameter's ``grad`` every step); this costs about a third of it.
     # The setter also mirrors the gradient onto the local tensor (mirror_grad).
     def _get_grad(self):
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             return _GRAD.__get__(self)
 
     def _set_grad(self, g):
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             old = _GRAD.__get__(self)
             _GRAD.__set__(self, g)
             mirror_grad(self, g)
@@ -407,7 +406,7 @@ class RowParam(DTensor):
                 _release(old)
 
     def _del_grad(self):
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             old = _GRAD.__get__(self)
             _GRAD.__delete__(self)
             mirror_grad(self, None)
@@ -429,7 +428,7 @@ class RowParam(DTensor):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             new = RowParam(self._local_tensor.clone(), self._spec,
                            requires_grad=self.requires_grad)
         extra = {k: v for k, v in self.__dict__.items() if k != "_is_param"}
@@ -448,10 +447,10 @@ class RowParam(DTensor):
             if name == "__set__":
                 what = getattr(func, "__self__", None)
                 if what is _GRAD:
-                    with torch._C.DisableTorchFunctionSubclass():
+                    with _compat.no_subclass_dispatch():
                         mirror_grad(*args)
                 elif what is _DATA:
-                    with torch._C.DisableTorchFunctionSubclass():
+                    with _compat.no_subclass_dispatch():
                         _set_data(*args)
             elif (name == "__get__" and isinstance(out, DTensor)
                   and not isinstance(out, RowParam)
@@ -459,7 +458,7 @@ class RowParam(DTensor):
                 # (``p.data`` is a plain DTensor of our spec: DTensor's own
                 # ops on it would describe their results with torch.chunk's
                 # split, silently, e.g. ``p.data.clone()``)
-                with torch._C.DisableTorchFunctionSubclass():
+                with _compat.no_subclass_dispatch():
                     out = _rewrap(out, args, name, check=False)
             return out
         global _doing
@@ -476,7 +475,7 @@ class RowParam(DTensor):
 
     @classmethod
     def _guarded(cls, func, name: str, args, kwargs):
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.no_subclass_dispatch():
             if name in _PASS:
                 out = func(*args, **kwargs)
                 if name in ("detach", "redistribute") or name.endswith("_"):
@@ -545,8 +544,8 @@ def _release(old) -> None:
 _EMPTY: dict = {}  # (dtype, device) -> an empty tensor, what a released wrapper holds
 
 
-_DATA = torch._C.TensorBase.data  # ``p.data = x`` calls its ``__set__``
-_GRAD: Any = torch._C.TensorBase.__dict__["grad"]  # its getter and setter (a descriptor)
+_DATA = _compat.TENSOR_DATA  # ``p.data = x`` calls its ``__set__``
+_GRAD: Any = _compat.TENSOR_GRAD  # its getter and setter (a descriptor)
 
 # How many times ``p.grad = g`` gave a RowParam a gradient whose local tensor
 # cannot be its local tensor's ``.grad`` (another placement, shape or dtype):
@@ -757,7 +756,7 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
     assert pl is not None
     coord = dst._spec.mesh.get_coordinate()
     a, b = pl.rows_of(coord[-1] if coord is not None else 0)
-    with torch._C.DisableTorchFunctionSubclass():
+    with _compat.no_subclass_dispatch():
         if isinstance(src, DTensor):
             spl = tuple(src._spec.placements)
             if spl == tuple(dst._spec.placements) and _rows(src._spec) == pl \
@@ -804,7 +803,7 @@ def row_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = Fals
     if local.dtype != meta.dtype:
         spec = DTensorSpec(spec.mesh, spec.placements,
                            tensor_meta=TensorMeta(meta.shape, meta.stride, local.dtype))
-    with torch._C.DisableTorchFunctionSubclass():
+    with _compat.no_subclass_dispatch():
         return RowParam(local, spec, requires_grad=requires_grad)
 
 

@@ -45,6 +45,7 @@ from operator import attrgetter, is_
 
 import torch
 
+from .._base import _compat
 from .._group import _row_dtensor
 from .._group._row_dtensor import RowParam, row_param
 
@@ -228,7 +229,7 @@ class _Swap:
 def swap_in(opt: torch.optim.Optimizer) -> bool:
     """Swap ``opt``'s RowParams for their local tensors; False if it holds none."""
     restore(opt)
-    with torch._C.DisableTorchFunctionSubclass():  # (our reads: no RowParam dispatch)
+    with _compat.no_subclass_dispatch():  # (our reads: no RowParam dispatch)
         swap = _plans.get(opt)
         if swap is None or not swap.holds(opt):
             swap = _build(opt)
@@ -310,7 +311,7 @@ def restore(opt: torch.optim.Optimizer) -> None:
     swap = _active.pop(opt, None)
     if swap is None:
         return
-    with torch._C.DisableTorchFunctionSubclass():
+    with _compat.no_subclass_dispatch():
         for g, params in zip(swap.groups, swap.user_lists):
             g["params"] = params
         if opt.state is not swap.lstate:  # (the step replaced opt.state itself)

@@ -20,12 +20,10 @@ def use_as_fsdp2(enable: bool = True) -> None:
     ``fully_shard`` for code that looks it up from then on (call it before
     importing a stack that imports the name at import time, e.g.
     torchtitan); with False, torch's own again."""
-    import torch.distributed.fsdp as tfsdp
-    import torch.distributed.fsdp._fully_shard as tfsdp_impl
-
+    from .._base._compat import fully_shard_homes
     from ._fully_shard import fully_shard
 
-    homes = (tfsdp, tfsdp_impl)
+    homes = fully_shard_homes()
     if enable:
         for home in homes:
             _SAVED.setdefault(home.__name__, home.fully_shard)
