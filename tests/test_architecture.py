@@ -5,8 +5,11 @@ See docs/architecture.md for the layers.
 """
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -202,4 +205,45 @@ def test_control_check_can_fail(tmp_path):
         "fsdp_compose._runtime._backward_schedule imports launch_bucket",
         "fsdp_compose._runtime._forward_walk imports fsdp_compose._group._group_ops",
         "fsdp_compose._runtime._unit imports fsdp_compose._runtime._state",
+    ]
+
+
+# ------------------------------------------------------- private torch names
+PRIVATE_TORCH = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._[A-Za-z]\w*")
+COMPAT = "_base/_compat.py"
+
+
+def private_torch_uses(pkg: Path) -> list[str]:
+    """Code (not comments or strings) naming a private torch module or
+    attribute (``torch._C...``, ``torch.x._y``) outside ``_base/_compat.py``,
+    where every private call lives with its reason (docs/design.md)."""
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        if rel == COMPAT:
+            continue
+        lines: dict[int, list[str]] = {}
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type not in (tokenize.COMMENT, tokenize.STRING):
+                lines.setdefault(tok.start[0], []).append(tok.string)
+        for n, parts in sorted(lines.items()):
+            code = re.sub(r"\s*\.\s*", ".", " ".join(parts))
+            found += [f"{rel}:{n}: {m}" for m in PRIVATE_TORCH.findall(code)]
+    return found
+
+
+def test_private_torch_names_only_in_compat():
+    assert private_torch_uses(ROOT / "fsdp_compose") == []
+
+
+def test_private_torch_check_can_fail(tmp_path):
+    pkg = _package(tmp_path, {
+        "_base/_compat": "import torch\nX = torch._C._current_graph_task_id\n",
+        "_group/_a": "import torch.distributed._functional_collectives as f\n"
+                     "# torch._C in a comment\nY = 'torch._C'\n"
+                     "with torch._C.DisableTorchFunctionSubclass():\n    pass\n",
+    })
+    assert private_torch_uses(pkg) == [
+        "_group/_a.py:1: torch.distributed._functional_collectives",
+        "_group/_a.py:4: torch._C",
     ]
