@@ -1,13 +1,17 @@
 """tools/step_trace.py: the counting rules on hand-made events, the tracer on a
-package written here, and one traced step of ours in this process."""
+package written here, and one traced step of ours in this process (no worker
+process: the one-minute tier, where a call back up the layers shows first)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
+import pytest
 import torch.distributed as dist
 
 from tools.step_trace import RULES, Event, Tracer, count, is_wrapper, table, trace_step
+
+pytestmark = pytest.mark.fast
 
 
 def call(file, function, outside=False):
