@@ -91,6 +91,17 @@ def _early_optimizer(rank, world):
     (meta(x) - y).pow(2).mean().backward()
     out["meta"] = raised(before_materialize.step)
 
+    # before load_state_dict(assign=True) into a model on meta: replaced too
+    sd = meta.state_dict()  # (this rank's RowParams: the same layout)
+    with torch.device("meta"):
+        assigned = FreezeNet()
+    shard_units(assigned, list(assigned.layers), per_unit=False)
+    before_assign = adamw(assigned.parameters())
+    assigned.load_state_dict(sd, assign=True)
+    (assigned(x) - y).pow(2).mean().backward()
+    out["assign"] = raised(before_assign.step)
+    out["assign_late"] = raised(adamw(assigned.parameters()).step)
+
     plain = nn.Linear(2, 2)  # optimizers of unsharded models are left alone
     out["plain"] = raised(adamw(plain.parameters()).step)
     return out
@@ -113,6 +124,10 @@ def test_optimizer_built_before_fully_shard_is_refused(early_optimizer):
         kind, msg = out["meta"]
         assert kind == "RuntimeError" and "'inp.weight'" in msg \
             and "materialize" in msg, out["meta"]
+        kind, msg = out["assign"]
+        assert kind == "RuntimeError" and "'inp.weight'" in msg \
+            and "load_state_dict(assign=True)" in msg, out["assign"]
+        assert out["assign_late"] == ("no error", ""), out["assign_late"]
         assert out["late"] == ("no error", "") and out["late_moves"]
         assert out["added"][0] == "RuntimeError" and "1 parameter(s)" in out["added"][1]
         assert out["plain"] == ("no error", "")

@@ -108,7 +108,8 @@ def _signature(opt: torch.optim.Optimizer) -> tuple:
 # below (torch.optim's global step pre-hook, cached per optimizer and
 # parameter list).
 def _replaced_name(p) -> str | None:
-    """The FQN of ``p`` if fully_shard or materialize replaced it, else None."""
+    """The FQN of ``p`` if fully_shard, materialize or an assign=True load on
+    meta replaced it, else None."""
     if p in REPLACED:
         ref = ORIGINAL_ENTRY.get(p)
         e = ref() if ref is not None else None
@@ -120,7 +121,8 @@ def _replaced_name(p) -> str | None:
 
 
 def check_no_replaced_params(optimizer) -> None:
-    """Raise if ``optimizer`` holds Parameters that fully_shard or materialize replaced."""
+    """Raise if ``optimizer`` holds Parameters that fully_shard, materialize or a
+    ``load_state_dict(assign=True)`` on meta replaced."""
     stale = [name for g in optimizer.param_groups for p in g["params"]
              if (name := _replaced_name(p)) is not None]
     if stale:
@@ -128,10 +130,11 @@ def check_no_replaced_params(optimizer) -> None:
             f" and {len(stale) - 8} more" if len(stale) > 8 else "")
         raise RuntimeError(
             f"fsdp_compose [rank {_rank()}]: {type(optimizer).__name__}.step(): the "
-            f"optimizer holds {len(stale)} parameter(s) that fully_shard (or materialize) "
-            f"replaced: {shown}. No module uses them any more, so they get no gradient and "
-            "the model would never train. Build the optimizer after fully_shard (and after "
-            "materialize), from model.parameters().")
+            f"optimizer holds {len(stale)} parameter(s) that fully_shard (or materialize, or "
+            f"load_state_dict(assign=True) on the meta device) replaced: {shown}. No module "
+            "uses them any more, so they get no gradient and the model would never train. "
+            "Build the optimizer after fully_shard (and after materialize or an assign=True "
+            "load), from model.parameters().")
 
 
 def _step_pre_hook(opt: torch.optim.Optimizer, _args, _kwargs):

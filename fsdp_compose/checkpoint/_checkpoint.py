@@ -43,7 +43,7 @@ from .._plan import _layout
 from .._base._common import TrainingState, rank as _rank
 from .._base._job import job
 from .._base._optim_kinds import steps_empty_pieces
-from .._base._registry import SHARDED, state_dict_slots, units_below
+from .._base._registry import ORIGINAL_ENTRY, REPLACED, SHARDED, state_dict_slots, units_below
 from .._group._row_dtensor import RowParam, RowShard, local_of, row_param
 
 
@@ -315,8 +315,12 @@ def _load_pre_hook(module, sd, prefix, local_metadata, strict, missing_keys, une
                                        "model)) before loading, or load with assign=True."))
                 sd[key] = e.sharded
                 continue
+            old = [x.sharded for x in g.entries]
             g.materialize_(g.mesh_device)  # assign=True: storage first, then this rank's rows
             SHARDED.add_groups([g])
+            for o, x in zip(old, g.entries):  # (refused if an optimizer built before holds them)
+                REPLACED[o] = unit
+                ORIGINAL_ENTRY[o] = weakref.ref(x)
         if module._parameters.get(name) is not e.sharded:  # full-shape views installed
             if unit.state is not TrainingState.IDLE:
                 error_msgs.append(_msg(key, f"load_state_dict inside forward/backward (unit "
