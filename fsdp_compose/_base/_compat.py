@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -213,18 +212,6 @@ def functorch_disabled():
 
 
 _NULL = contextlib.nullcontext()
-
-
-def outside_functorch(fn: Callable) -> Callable:
-    """``fn`` run under ``functorch_disabled()``: for the backward hooks, which
-    a transform such as ``torch.func.grad`` runs inside its own backward."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return run
 
 
 def guard_torch_clip_helper(check: Callable[[Any], None]) -> Callable[[], None] | None:

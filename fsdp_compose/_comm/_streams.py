@@ -24,8 +24,8 @@ once per root; the all-reduce stream when an HSDP unit first needs it:
 - Everything the collective touches is allocated on the compute stream before
   switching, and the Pending keeps it alive until compute waited E2: a block
   is freed only once compute is ordered after its last use (no record_stream).
-- Nothing blocks the CPU (``waits_block_cpu`` False): the backward schedule is
-  FSDP2's (gloo's: [Note: gloo backward] in _state.py).
+- Nothing blocks the CPU: the backward schedule is FSDP2's (gloo's, switched on
+  by ``BlockingStreams.hook_split_node``: [Note: gloo backward] in _state.py).
 
 [Note: post-reduce] What follows a reduce-scatter on CUDA (post-divide, cast,
 fold into ``p.grad``, offload's non-blocking copy to pinned host memory) runs
@@ -86,11 +86,6 @@ class Backend(Protocol):
     members; neither branches on which backend it has."""
 
     device: torch.device
-
-    @property
-    def waits_block_cpu(self) -> bool:
-        """A wait blocks the CPU (gloo): the used-flags' counts are read at once."""
-        ...
 
     @property
     def runtime(self) -> Any:
@@ -246,7 +241,7 @@ class StreamManager:
     below it. ``BlockingStreams`` is the same interface where a wait blocks
     the CPU (gloo); ``make_streams`` chooses at lazy init."""
 
-    waits_block_cpu = False  # waits only order streams: FSDP2's backward schedule
+    # waits only order streams: FSDP2's backward schedule (hook_split_node: no hook)
 
     def __init__(self, device: torch.device, runtime):
         self.device = device
@@ -535,10 +530,9 @@ class BlockingStreams:
     CPU, no stream runtime): collectives are issued ``async_op=True`` on the
     default stream, host copies are plain copies, and the backward frees a
     unit's parameters once its gradients are computed ([Note: gloo backward]
-    in _state.py, read from ``waits_block_cpu``). Bucket buffers
-    are kept (see ``bucket``)."""
+    in _state.py, switched on by ``hook_split_node``). Bucket buffers are
+    kept (see ``bucket``)."""
 
-    waits_block_cpu = True
     runtime = None
     host_work_pending = False
 
