@@ -1,4 +1,4 @@
-"""The unit's state machine (``Unit._enter``, ``_unit._MOVES``): each hook
+"""The unit's state machine (``Unit.enter``, ``_unit._MOVES``): each hook
 moves a unit along the table or raises a unit error naming both states.
 No processes: the table and the check, on a bare Unit."""
 from __future__ import annotations

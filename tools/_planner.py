@@ -482,7 +482,7 @@ class Step:
         self.walker = PlanWalker(self.plan, bucketed=self.rs_limit > 0 and self.communicates)
         # A unit whose flat aliases its shard (world size 1) keeps the split
         # node made at fully_shard time: the engine runs it after the rest of
-        # backward, latest-made (the root) first (see Unit._refresh_views).
+        # backward, latest-made (the root) first (see RootContext._refresh_views).
         late = [u for u in [self.root, *reversed(self.units[1:])]
                 if u.trainable and all(g.aliased for g in u.trainable)]
         root = self.root

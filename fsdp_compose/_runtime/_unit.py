@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 _REDUCE_FIELDS = {f.name for f in fields(ReduceSettings)}
 # where a backward hook may find the unit (not inside its own forward)
 IN_BACKWARD = (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-# the states each state is entered from (Unit._enter); the root's reset moves
+# the states each state is entered from (Unit.enter); the root's reset moves
 # any state to IDLE (finish_backward)
 _MOVES = {
     TrainingState.FORWARD: (TrainingState.IDLE,),
