@@ -114,6 +114,43 @@ class Net(nn.Module):
         return self.out(x if self.norm is None else self.norm(x))
 
 
+# The schedule of one training step of ``shard(Net(n=2))`` with per-unit
+# collectives at 2 ranks on the CPU backend (the gloo backward: a unit
+# reshards once its gradients are computed, then the next is prefetched),
+# the same in a multi-process gloo launch (tests/test_schedule.py) and in
+# process on the fake group (tests/test_fake_group.py). After an intended
+# change, print the new one (``schedule_text``) and paste it here.
+ONE_STEP_CPU = """\
+pre_forward IDLE
+all_gather FORWARD
+prefetch layers.0 forward
+all_gather layers.0 IDLE
+pre_forward layers.0 IDLE
+prefetch layers.1 forward
+all_gather layers.1 IDLE
+post_forward layers.0 FORWARD
+reshard layers.0 FORWARD
+pre_forward layers.1 IDLE
+post_forward layers.1 FORWARD
+reshard layers.1 FORWARD
+post_forward FORWARD
+pre_backward IDLE
+all_gather layers.1 IDLE
+pre_backward layers.1 IDLE
+reshard layers.1 grads computed
+all_gather layers.0 IDLE
+post_backward layers.1 PRE_BACKWARD
+reduce_scatter layers.1 ready
+pre_backward layers.0 IDLE
+reshard layers.0 grads computed
+post_backward layers.0 PRE_BACKWARD
+reduce_scatter layers.0 ready
+reshard grads computed
+post_backward PRE_BACKWARD
+reduce_scatter ready
+final_callback"""
+
+
 def shard(model: nn.Module, *, root: Optional[dict] = None, **kw) -> nn.Module:
     """``fully_shard`` every block of ``model.layers`` with ``kw``, then the
     root with ``root`` (default: ``kw`` too)."""

@@ -33,8 +33,8 @@ from fsdp_compose import (clip_grad_norm_, comm_stats, fully_shard, param_info, 
 
 from fsdp_compose._plan import _layout
 from ._pieces import local_piece
-from ._support import (Net, rows, StreamDouble, check_stream_protocol, per_unit_collectives,
-                       recording, shard)
+from ._support import (ONE_STEP_CPU, Net, rows, StreamDouble, check_stream_protocol,
+                       per_unit_collectives, recording, shard)
 from ._support import schedule_text as _fmt
 
 pytestmark = pytest.mark.fast
@@ -69,6 +69,24 @@ def _no_list_collectives():
         dist.all_gather, dist.reduce_scatter = saved
 
 
+def _second_step(m, per_unit: bool, before_recording=None) -> dict:
+    """``m``'s second training step (the first: lazy init, order recording),
+    its schedule and collective counts; ``before_recording()`` runs just
+    before it."""
+    if per_unit:
+        per_unit_collectives(m)
+    x = torch.randn(2, 3)
+    m(x).sum().backward()
+    reset_comm_stats()
+    if before_recording is not None:
+        before_recording()
+    with record_schedule() as ev:
+        m(x).sum().backward()
+    s = comm_stats()
+    return {"schedule": _fmt(ev), "calls": (s.all_gather_calls, s.reduce_scatter_calls),
+            "manager": repr(m._unit().ctx.streams)}
+
+
 def _padded_step(rank: int, per_unit: bool) -> dict:
     """The second step of a root and 2 blocks (uneven pieces forced), as
     ``rank`` of 2, on side streams: its schedule, collective counts, the
@@ -82,20 +100,10 @@ def _padded_step(rank: int, per_unit: bool) -> dict:
             m = shard(Net(n=2))
         finally:
             _layout.FORCE_EVEN = None
-        if per_unit:
-            per_unit_collectives(m)
         groups = [g for u in (m._unit(), *(b._unit() for b in m.layers)) for g in u.groups]
-        x = torch.randn(2, 3)
-        m(x).sum().backward()  # first step: lazy init, order recording
-        reset_comm_stats()
-        rt.issues.clear()
-        with record_schedule() as ev:
-            m(x).sum().backward()
-        s = comm_stats()
-        out = {"schedule": _fmt(ev), "calls": (s.all_gather_calls, s.reduce_scatter_calls),
-               "padded": all(g.padded() for g in groups),
-               "streams": sorted({(k, st) for k, st, _, _ in rt.issues}),
-               "manager": repr(m._unit().ctx.streams)}
+        out = _second_step(m, per_unit, before_recording=rt.issues.clear)
+        out["padded"] = all(g.padded() for g in groups)
+        out["streams"] = sorted({(k, st) for k, st, _, _ in rt.issues})
         del m
         gc.collect()  # every release is in the log
         out["problems"] = check_stream_protocol(rt.log)
@@ -186,58 +194,21 @@ def _blocking_step(rank: int, per_unit: bool) -> dict:
     backward] in fsdp_compose/_runtime/_state.py): its schedule and collective counts."""
     with fake_group(rank, 2):
         torch.manual_seed(0)
-        m = shard(Net(n=2))
-        if per_unit:
-            per_unit_collectives(m)
-        x = torch.randn(2, 3)
-        m(x).sum().backward()  # first step: lazy init, order recording
-        reset_comm_stats()
-        with record_schedule() as ev:
-            m(x).sum().backward()
-        s = comm_stats()
-        return {"schedule": _fmt(ev), "calls": (s.all_gather_calls, s.reduce_scatter_calls),
-                "manager": repr(m._unit().ctx.streams)}
+        return _second_step(shard(Net(n=2)), per_unit)
 
 
 class TestBlockingStep(expecttest.TestCase):
-    """One literal per backend: the side-stream one is TestPaddedSideStreamStep's."""
+    """One literal per backend: the side-stream one is TestPaddedSideStreamStep's,
+    the CPU backend's ``ONE_STEP_CPU``, which the multi-process gloo step of
+    tests/test_schedule.py gives too."""
 
     def test_one_step(self):
         r0, r1 = _blocking_step(0, per_unit=True), _blocking_step(1, per_unit=True)
         self.assertEqual(r0, r1)
         self.assertEqual(r0["manager"], "BlockingStreams(device=cpu)")
         self.assertEqual(r0["calls"], (3 + 2, 3))
-        # a unit reshards as soon as its gradients are computed, then the
-        # next unit is prefetched and the reduce-scatter in flight finished
-        self.assertExpectedInline(r0["schedule"], """\
-pre_forward IDLE
-all_gather FORWARD
-prefetch layers.0 forward
-all_gather layers.0 IDLE
-pre_forward layers.0 IDLE
-prefetch layers.1 forward
-all_gather layers.1 IDLE
-post_forward layers.0 FORWARD
-reshard layers.0 FORWARD
-pre_forward layers.1 IDLE
-post_forward layers.1 FORWARD
-reshard layers.1 FORWARD
-post_forward FORWARD
-pre_backward IDLE
-all_gather layers.1 IDLE
-pre_backward layers.1 IDLE
-reshard layers.1 grads computed
-all_gather layers.0 IDLE
-post_backward layers.1 PRE_BACKWARD
-reduce_scatter layers.1 ready
-pre_backward layers.0 IDLE
-reshard layers.0 grads computed
-post_backward layers.0 PRE_BACKWARD
-reduce_scatter layers.0 ready
-reshard grads computed
-post_backward PRE_BACKWARD
-reduce_scatter ready
-final_callback""")
+        # the multi-process gloo step's schedule (tests/test_schedule.py)
+        self.assertEqual(r0["schedule"], ONE_STEP_CPU)
 
 
 # ---------------------------------------------------------------- by value

@@ -12,7 +12,7 @@ import torch.nn as nn
 from fsdp_compose import comm_stats, fully_shard, record_schedule, reset_comm_stats
 
 from ._dist import run_distributed
-from ._support import Block, Net, per_unit_collectives, shard
+from ._support import ONE_STEP_CPU, Block, Net, per_unit_collectives, shard
 from ._support import schedule_text as _fmt
 
 
@@ -153,35 +153,7 @@ reshard PRE_BACKWARD""")
         (rank0, calls0), (rank1, calls1) = run_distributed(_one_step, 2)
         self.assertEqual((rank0, calls0), (rank1, calls1))
         self.assertEqual(calls0, (3 + 2, 3))  # per unit: forward 3, backward the 2 blocks
-        self.assertExpectedInline(rank0, """\
-pre_forward IDLE
-all_gather FORWARD
-prefetch layers.0 forward
-all_gather layers.0 IDLE
-pre_forward layers.0 IDLE
-prefetch layers.1 forward
-all_gather layers.1 IDLE
-post_forward layers.0 FORWARD
-reshard layers.0 FORWARD
-pre_forward layers.1 IDLE
-post_forward layers.1 FORWARD
-reshard layers.1 FORWARD
-post_forward FORWARD
-pre_backward IDLE
-all_gather layers.1 IDLE
-pre_backward layers.1 IDLE
-reshard layers.1 grads computed
-all_gather layers.0 IDLE
-post_backward layers.1 PRE_BACKWARD
-reduce_scatter layers.1 ready
-pre_backward layers.0 IDLE
-reshard layers.0 grads computed
-post_backward layers.0 PRE_BACKWARD
-reduce_scatter layers.0 ready
-reshard grads computed
-post_backward PRE_BACKWARD
-reduce_scatter ready
-final_callback""")
+        self.assertEqual(rank0, ONE_STEP_CPU)  # (tests/test_fake_group.py, in process, too)
 
     def test_unit_without_gradient_on_one_rank(self):
         (r0, set0, calls0), (r1, set1, calls1) = run_distributed(_unused_on_rank1, 2)

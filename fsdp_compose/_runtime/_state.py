@@ -85,7 +85,11 @@ class RootContext:
         self._callback_queued = False           # a backward runs: its final callback queued
         self._outer_task = -1                   # graph task of the backward we finish
         # each unit's pre-backward hook (registered on its outputs every forward)
+        # and each group's gradients-computed hook (on its new split node every
+        # forward, where the backend runs the gloo backward): made once here
         self._pre_backward_hooks = {u: _pre_backward_hook(self, u) for u in units}
+        self._grads_computed_hooks = {g: _hook("grads_computed", u, g)
+                                      for u in units for g in u.groups}
         self._end_backward()
 
     def _end_backward(self) -> None:
@@ -202,7 +206,7 @@ class RootContext:
                     continue
                 g.refresh_views()
                 if g.world > 1 and g.split_node is not None and self.streams.hook_split_node(
-                        g.split_node, _hook("grads_computed", unit, g)):  # a new node each time
+                        g.split_node, self._grads_computed_hooks[g]):  # a new node each time
                     unit.note_grads_hooked()
 
     def post_forward(self, unit: Unit, output):
