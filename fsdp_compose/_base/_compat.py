@@ -361,3 +361,23 @@ def call_without_torch_function(func, types, args, kwargs):
         return _DISABLED_IMPL(func, types, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+def concat_meshes(meshes: list):
+    """The mesh whose dims are ``meshes``' dims in order (the unit's data-
+    parallel mesh, then a tensor-parallel parameter's), or None where torch
+    cannot build it (the meshes are not slices of one root mesh).
+
+    Why private: a tensor-parallel parameter inside a unit is a DTensor over
+    both the unit's mesh and its TP mesh (as FSDP2 shows it), and torch has
+    no public way to join two sliced meshes; FSDP2 calls the same
+    ``DeviceMesh._concatenate`` (2.11, 2.13 and 2.14).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    join = getattr(DeviceMesh, "_concatenate", None)
+    if join is None:
+        return None
+    try:
+        return join(list(meshes))
+    except Exception:  # noqa: BLE001 - not one root mesh: the caller keeps plain pieces
+        return None

@@ -95,7 +95,7 @@ class ParamEntry:
     tp: TPSpec | None = None        # a DTensor parameter: ``shape`` is its local TP shard's
     ext: ExtSpec | None = None      # its class defines the all-gather extension (_extension.py)
     # the sharded Parameter is a RowParam DTensor of this spec (_row_dtensor.py);
-    # None: a plain tensor (one rank, TP, 0-d; docs/design.md)
+    # None: a plain tensor (one rank, 0-d; docs/design.md)
     row: DTensorSpec | None = None
     # the RowParam last given as p.grad, reused when nothing else holds it
     _grad_wrapper: object = field(default=None, repr=False, compare=False)
@@ -231,12 +231,28 @@ def _cuts(layout: Layout, i: int) -> tuple:
     return tuple(cuts)
 
 
+_JOINED: dict = {}
+
+
+def _joined(mesh, tp: TPSpec):
+    """The unit's mesh joined with a TP parameter's mesh (its dims then TP's),
+    over which that parameter is a RowParam; None (a plain piece, as before)
+    where torch cannot join them or a TP placement is neither ``Shard`` nor
+    ``Replicate`` (see [Note: TP parameters as RowParams] in _row_dtensor.py)."""
+    if not all(type(q) is Shard or q.is_replicate() for q in tp.placements):
+        return None
+    key = (mesh, tp.mesh)
+    if key not in _JOINED:
+        _JOINED[key] = _compat.concat_meshes([mesh, tp.mesh])
+    return _JOINED[key]
+
+
 def make_entries(params: list, locals_: list, layout: Layout, rank: int,
                  mesh=None) -> list[ParamEntry]:
     """This rank's ParamEntry of every parameter, from the group's layout.
     With ``mesh`` (1-D, or HSDP's 2-D; more than one rank on its shard dim),
-    sharded Parameters that are not DTensors and have a dimension become
-    RowParam DTensors on it."""
+    sharded Parameters that have a dimension become RowParam DTensors on it
+    (a TP parameter on it joined with its TP mesh)."""
     base = layout.rank_range(rank)[0]
     rows_as_dtensors = mesh is not None and mesh.ndim in (1, 2) and layout.world > 1
     entries = []
@@ -251,8 +267,12 @@ def make_entries(params: list, locals_: list, layout: Layout, rank: int,
         whole = ((layout.world == 1 or b - a == layout.slots[i].rows)
                  and (tp is None or all(pl.is_replicate() for pl in tp.placements)))
         row = None
-        if rows_as_dtensors and tp is None and len(local.shape) > 0:
-            row = row_spec(mesh, _cuts(layout, i), local.shape, local.dtype)
+        if rows_as_dtensors and len(local.shape) > 0:
+            if tp is None:
+                row = row_spec(mesh, _cuts(layout, i), local.shape, local.dtype)
+            elif (joined := _joined(mesh, tp)) is not None:
+                row = row_spec(joined, _cuts(layout, i), tp.shape, local.dtype,
+                               tail=tp.placements, stride=tp.stride)
         entries.append(ParamEntry(fqn, local.shape, off, slots, (a, b), (a * k, b * k),
                                   (start, start + (b - a) * k) if b > a else (0, 0), whole,
                                   tp=tp, row=row))

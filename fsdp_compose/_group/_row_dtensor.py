@@ -12,6 +12,21 @@ the split on results that keep dim 0, and refuses, naming the parameter
 and the op, any result that DTensor would describe with a fresh
 ``Shard(0)`` of unevenly split rows (silently wrong otherwise).
 
+[Note: TP parameters as RowParams]
+A tensor-parallel (DTensor) parameter inside a unit keeps its local TP
+shard in the flat group, and our rows split that shard's dim 0. Its
+sharded Parameter is a RowParam over the unit's mesh joined with its TP
+mesh (``_compat.concat_meshes``), placed ``(RowShard(cuts), *TP's)``: on a
+``(dp, tp)`` mesh ``(RowShard, Shard(1))`` for a row-wise weight and
+``(RowShard(within tp), Shard(0))`` for a column-wise one, where FSDP2 shows
+``(Shard(0), Shard(1))`` and ``(_StridedShard(0), Shard(0))``. Our rows are
+cut inside each TP block (``within``), so DTensor's own data movement, which
+nests the placements left to right, would be wrong for them: the RowShard
+refuses it (``_not_strided``), and ``full_tensor`` / ``redistribute`` /
+DCP's chunk offsets go through this class (``_tp_form``, ``local_box``):
+our rows gathered first, then torch's own on the TP placements. Ops are
+guarded as for uneven rows (``_uneven``).
+
 [Note: RowShard equality]
 ``RowShard(s) == Shard(0)`` (DTensorSpec's shard-order checks and the
 in-place fast path compare placements) but ``hash(RowShard(s))`` is the
@@ -135,27 +150,33 @@ _SPLITS: dict = {}
 
 class RowShard(Shard):
     """``Shard(0)`` with the real split: rank ``c`` of the mesh dim holds rows
-    ``[cuts[c], cuts[c + 1])``. See [Note: RowShard equality]."""
+    ``[cuts[c], cuts[c + 1])``. See [Note: RowShard equality].
 
-    def __init__(self, cuts: Sequence[int]):
+    ``within > 1``: a tensor-parallel parameter inside a unit whose TP
+    placement (on a later mesh dim) also shards dim 0 into ``within`` blocks:
+    the cuts split the rows of each TP block, not of the whole tensor, as
+    FSDP2's ``_StridedShard`` does (see [Note: TP parameters as RowParams])."""
+
+    def __init__(self, cuts: Sequence[int], within: int = 1):
         super().__init__(0)
         cuts = tuple(int(c) for c in cuts)
         # interned: one tuple per distinct split in the process
         self.cuts = _SPLITS.setdefault(cuts, cuts)
-        self._hash = hash(("RowShard", self.cuts))
+        self.within = int(within)
+        self._hash = hash(("RowShard", self.cuts, self.within))
         self.has_empty = any(b == a for a, b in zip(self.cuts, self.cuts[1:]))
 
     # ------------------------------------------------------------ identity
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RowShard):
-            return other.cuts == self.cuts
+            return other.cuts == self.cuts and other.within == self.within
         return Shard.__eq__(self, other)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (RowShard, (self.cuts,))
+        return (RowShard, (self.cuts, self.within) if self.within > 1 else (self.cuts,))
 
     def __deepcopy__(self, memo):
         return self  # immutable
@@ -163,7 +184,8 @@ class RowShard(Shard):
     def __repr__(self) -> str:
         sizes = [b - a for a, b in zip(self.cuts, self.cuts[1:])]
         shown = "/".join(map(str, sizes[:8])) + ("/..." if len(sizes) > 8 else "")
-        return f"RowShard(dim=0, rows={shown})"
+        within = f", within {self.within} TP blocks" if self.within > 1 else ""
+        return f"RowShard(dim=0, rows={shown}{within})"
 
     def __str__(self) -> str:
         return "RS(0)"
@@ -183,15 +205,27 @@ class RowShard(Shard):
         return all(self.cuts[i] == min(i * c, n) for i in range(w + 1))
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):  # type: ignore[override]
-        a, b = self.rows_of(int(rank))
-        return b - a, a
+        return self._local_shard_size_and_offset(curr_local_size, num_chunks, rank)
 
     def _local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):
+        # (within > 1: the size a later TP Shard(0) divides into this rank's
+        # rows; DTensor's offsets are then not ours, and nothing of ours reads
+        # them: RowParam gives DCP its own, local_box)
         a, b = self.rows_of(int(rank))
-        return b - a, a
+        return (b - a) * self.within, a * self.within
+
+    def _not_strided(self) -> None:
+        if self.within > 1:
+            raise NotImplementedError(
+                f"fsdp_compose [rank {_rank()}]: {_describe_doing()}: DTensor would move the rows "
+                "of a tensor-parallel parameter sharded inside a unit as if the data-parallel "
+                "split came before the TP one (it comes after: RowShard within TP blocks). "
+                "Call .full_tensor() or .redistribute() on the parameter itself, or "
+                ".to_local() for this rank's rows.")
 
     # ------------------------------------------------------- data movement
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
+        self._not_strided()
         most = self.largest
         out, pads = [], []
         for a, b in zip(self.cuts, self.cuts[1:]):
@@ -204,6 +238,7 @@ class RowShard(Shard):
 
     def _select_split_tensor(self, tensor, num_chunks, index, *, with_padding=True,
                              contiguous=True, clone=True):
+        self._not_strided()
         a, b = self.rows_of(int(index))
         t = tensor.narrow(0, a, b - a)
         if contiguous:
@@ -211,6 +246,7 @@ class RowShard(Shard):
         return t.clone() if clone and t.data_ptr() == tensor.data_ptr() else t
 
     def _shard_tensor(self, tensor, mesh, mesh_dim, src_data_rank=0):
+        self._not_strided()
         coord = mesh.get_coordinate()
         if coord is None:
             return tensor.new_empty(0, requires_grad=tensor.requires_grad)
@@ -225,6 +261,11 @@ class RowShard(Shard):
         return self._select_split_tensor(full, 0, coord[mesh_dim])
 
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        self._not_strided()
+        return self.gather(local_tensor, mesh, mesh_dim)
+
+    def gather(self, local_tensor, mesh, mesh_dim):
+        """Every coordinate's rows of the mesh dim, in row order."""
         most = self.largest
         padded = _pad_rows(local_tensor, most)
         g = _gather_rows(padded, mesh, mesh_dim)
@@ -234,11 +275,13 @@ class RowShard(Shard):
                           for i, (a, b) in enumerate(zip(self.cuts, self.cuts[1:]))])
 
     def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        self._not_strided()
         a, b = self.rows_of(int(shard_index))
         return local_tensor.narrow(0, a, b - a).clone()
 
     def _to_new_shard_dim(self, local_tensor, mesh, mesh_dim, current_logical_shape,
                           new_shard_dim):
+        self._not_strided()
         # through the full tensor: off the hot path (init, checkpoints, user calls)
         full = self._to_replicate_tensor(local_tensor, mesh, mesh_dim, current_logical_shape)
         coord = mesh.get_coordinate()[mesh_dim]
@@ -250,6 +293,7 @@ class RowShard(Shard):
         return full.new_empty(shape)
 
     def _reduce_shard_tensor(self, tensor, mesh, reduce_op, mesh_dim):
+        self._not_strided()
         full = _all_reduce(tensor, reduce_op, mesh, mesh_dim)
         a, b = self.rows_of(mesh.get_coordinate()[mesh_dim])
         return full.narrow(0, a, b - a).clone()
@@ -290,22 +334,36 @@ _REORDER = frozenset({
 })
 
 
-def _rows(spec: DTensorSpec) -> RowShard | None:
-    """The RowShard a spec carries: on its mesh's last dim, the others
-    ``Replicate`` (HSDP's replicas); None for any other placements."""
+def _row_index(spec: DTensorSpec) -> int | None:
+    """The mesh dim of a spec's RowShard, the dims before it ``Replicate``
+    (HSDP's replicas); the dims after it, if any, are a TP parameter's own
+    placements (the *tail*). None for any other placements."""
     pls = spec.placements
-    pl = pls[-1]
-    if isinstance(pl, RowShard) and all(q.is_replicate() for q in pls[:-1]):
-        return pl
+    for k, pl in enumerate(pls):
+        if isinstance(pl, RowShard):
+            return k if all(q.is_replicate() for q in pls[:k]) else None
     return None
 
 
+def _rows(spec: DTensorSpec) -> RowShard | None:
+    """The RowShard a spec carries (see ``_row_index``), or None."""
+    k = _row_index(spec)
+    return None if k is None else spec.placements[k]  # type: ignore[return-value]
+
+
+def _has_tail(spec: DTensorSpec) -> bool:
+    """A TP parameter's spec: placements after the RowShard that are not ``Replicate``."""
+    k = _row_index(spec)
+    return k is not None and any(not q.is_replicate() for q in spec.placements[k + 1:])
+
+
 def _uneven(t) -> bool:
-    """``t`` is a RowParam with a dim whose split is not torch.chunk's."""
+    """``t`` is a RowParam with a dim whose split is not what DTensor would
+    assume: not torch.chunk's, or nested in a TP parameter's placements."""
     if not isinstance(t, RowParam) or t.dim() == 0:
         return False
     pl = _rows(t._spec)
-    return pl is not None and not pl.is_chunked()
+    return pl is not None and (not pl.is_chunked() or _has_tail(t._spec))
 
 
 def _uneven_operand(args, kwargs) -> bool:
@@ -318,25 +376,30 @@ def _on_whole(func, args, kwargs):
     for any op, on every torch (2.11's DTensor has no ``flip``), alike on
     every rank."""
     mesh = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, RowParam))._spec.mesh
-    whole = tree_map_only(DTensor, lambda d: DTensor.full_tensor(d), (args, kwargs))
+    whole = tree_map_only(DTensor, lambda d: d.full_tensor(), (args, kwargs))
     out = func(*whole[0], **whole[1])
     return tree_map_only(torch.Tensor, lambda t: DTensor.from_local(
         t, mesh, [Replicate()] * mesh.ndim, run_check=False), out)
 
 
 def _split_of(d: DTensor):
-    """The dim-0 split a DTensor claims (cuts) over its mesh's last dim, the
-    others replicated (a 1-D mesh, or HSDP's), or None."""
+    """The dim-0 split a DTensor claims: ``(mesh dim, cuts, within, the
+    placements after it)`` for a RowShard, or a ``Shard(0)`` over its mesh's
+    last dim with the others replicated (a 1-D mesh, or HSDP's); else None."""
     spec = d._spec
-    if d.dim() == 0 or not all(q.is_replicate() for q in spec.placements[:-1]):
+    if d.dim() == 0:
+        return None
+    k = _row_index(spec)
+    if k is not None:
+        pl: Any = spec.placements[k]
+        return (k, pl.cuts, pl.within, tuple(spec.placements[k + 1:]))
+    if not all(q.is_replicate() for q in spec.placements[:-1]):
         return None
     pl = spec.placements[-1]
-    if isinstance(pl, RowShard):
-        return pl.cuts
     if type(pl) is Shard and pl.dim == 0:
         n, w = d.shape[0], spec.mesh.size(spec.mesh.ndim - 1)
         c = -(-n // w) if n else 0
-        return tuple(min(i * c, n) for i in range(w + 1))
+        return (spec.mesh.ndim - 1, tuple(min(i * c, n) for i in range(w + 1)), 1, ())
     return None
 
 
@@ -419,11 +482,69 @@ class RowParam(DTensor):
     # named in the error of a collective they issue on some ranks only
     def full_tensor(self, *args, **kwargs):
         with _calling("full_tensor", self):
+            if _has_tail(self._spec):
+                return self._tp_form().full_tensor(*args, **kwargs)
             return super().full_tensor(*args, **kwargs)
 
-    def redistribute(self, *args, **kwargs):
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
         with _calling("redistribute", self):
-            return super().redistribute(*args, **kwargs)
+            if _has_tail(self._spec):
+                mesh = device_mesh if device_mesh is not None else self._spec.mesh
+                if placements is not None and tuple(placements) == tuple(self._spec.placements) \
+                        and mesh == self._spec.mesh:
+                    return self
+                if mesh != self._spec.mesh or (placements is not None and any(
+                        isinstance(q, RowShard) for q in placements)):
+                    raise _refuse("redistribute", [self], "another mesh, or another RowShard, "
+                                  "for a tensor-parallel parameter sharded inside a unit")
+                return self._tp_form().redistribute(mesh, placements, **kwargs)
+            return super().redistribute(device_mesh, placements, **kwargs)
+
+    def _tp_form(self) -> DTensor:
+        """A TP parameter's rows gathered over our mesh dim: the plain DTensor
+        of its TP placements (``Replicate`` on ours), on which torch's own
+        data movement is right. A collective over our mesh dim."""
+        spec = self._spec
+        k = _row_index(spec)
+        assert k is not None
+        with _compat.no_subclass_dispatch():
+            local = self._local_tensor.detach()
+            rows = spec.placements[k].gather(local, spec.mesh, k)  # type: ignore[attr-defined]
+            pls = list(spec.placements)
+            pls[k] = Replicate()
+            return DTensor.from_local(rows, spec.mesh, pls, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+
+    # DCP reads a DTensor's place in the global tensor from these; DTensor's
+    # own would nest our split before a TP one that also cuts dim 0
+    def __create_write_items__(self, fqn: str, object: Any):
+        if not _has_tail(self._spec):
+            return super().__create_write_items__(fqn, object)
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,
+                                                           MetadataIndex, TensorProperties)
+        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                          WriteItemType)
+        offsets, sizes = self._box()
+        with _compat.no_subclass_dispatch():
+            local = self._local_tensor
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                         sizes=torch.Size(sizes)),
+                              properties=TensorProperties.create_from_tensor(local),
+                              size=self.size()))]
+
+    def __create_chunk_list__(self):
+        if not _has_tail(self._spec):
+            return super().__create_chunk_list__()
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        offsets, sizes = self._box()
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
+
+    def _box(self) -> tuple[list[int], list[int]]:
+        mesh = self._spec.mesh
+        return local_box(self._spec, mesh.get_coordinate() or [0] * mesh.ndim)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -628,6 +749,12 @@ def _row_view(func, op: str, args, kwargs, out_meta):
     if p.requires_grad and torch.is_grad_enabled():
         raise _refuse(op, [p], "a view of it that autograd would track")
     local = p._local_tensor
+    if _has_tail(p._spec):
+        # a TP parameter: this rank's local shape is not the global one's rows
+        if tuple(out_meta.shape) != tuple(p.shape) or out_meta.stride() != p.stride():
+            raise _refuse(op, [p], "a view of a tensor-parallel parameter sharded inside a "
+                                   "unit that changes its shape")
+        return RowParam(local.view(local.shape), p._spec, requires_grad=False)
     if op in _SIZED:
         shape = out_meta.shape
         res = local.reshape((local.size(0),) + tuple(shape[1:])) if op != "expand" \
@@ -714,29 +841,41 @@ def _rewrap(out, args, op: str, check: bool):
     if not ins:
         return out
     ref = ins[0]
-    ref_pl = _rows(ref._spec)
-    uneven = not (ref_pl is not None and ref_pl.is_chunked())
+    k = _row_index(ref._spec)
+    ref_pls = tuple(ref._spec.placements)
+    uneven = k is None or _uneven(ref)
+    strided = k is not None and ref_pls[k].within > 1  # type: ignore[attr-defined]
+
+    def keeps_split(pls) -> bool:
+        # our RowShard's dim stays Shard(0), the dims before it Replicate, and
+        # the TP tail unchanged (or, where TP does not split dim 0, without a
+        # Shard(0): a TP dim reduced or gathered keeps our rows)
+        if k is None or len(pls) != len(ref_pls):
+            return False
+        pl = pls[k]
+        if not (isinstance(pl, Shard) and pl.dim == 0
+                and all(q.is_replicate() for q in pls[:k])):
+            return False
+        tail = tuple(pls[k + 1:])
+        return tail == ref_pls[k + 1:] or (not strided and not any(
+            isinstance(q, Shard) and q.dim == 0 for q in tail))
 
     def fix(o: DTensor):
         if isinstance(o, RowParam) or o._spec.mesh != ref._spec.mesh:
             return o
-        pls = o._spec.placements
-        pl = pls[-1]
+        pls = tuple(o._spec.placements)
         if not any(isinstance(q, Shard) for q in pls):
             return o  # Replicate / Partial: does not depend on the split
-        if not isinstance(pl, Shard) or not all(q.is_replicate() for q in pls[:-1]):
-            if check and uneven:  # (a Shard on the replicas' dim: not a split of ours)
-                raise _refuse(op, ins, f"the result would be placed {tuple(pls)}")
-            return o
-        if pl.dim == 0 and o.dim() > 0 and o.shape[0] == ref.shape[0]:
+        if keeps_split(pls) and o.dim() > 0 and o.shape[0] == ref.shape[0]:
             # (the input's split, never the output's object: a cached decision
             # may carry another tensor's RowShard)
-            spec = DTensorSpec(o._spec.mesh, ref._spec.placements,
+            spec = DTensorSpec(o._spec.mesh, ref_pls[:k + 1] + pls[k + 1:],  # type: ignore[operator]
                                tensor_meta=o._spec.tensor_meta)
             return _named(RowParam(o._local_tensor, spec, requires_grad=o.requires_grad), ref)
         if check and uneven:
-            raise _refuse(op, ins, f"the result would be {pl} of rows split unevenly "
-                                   "(DTensor would describe it with torch.chunk's split)")
+            raise _refuse(op, ins, f"the result would be placed {pls}, of rows split "
+                                   "unevenly (DTensor would describe them with torch.chunk's "
+                                   "split)")
         return o
 
     return tree_map_only(DTensor, fix, out)
@@ -754,8 +893,9 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
     or a DTensor of any placement: torchtitan's and accelerate's inits)."""
     pl = _rows(dst._spec)
     assert pl is not None
-    coord = dst._spec.mesh.get_coordinate()
-    a, b = pl.rows_of(coord[-1] if coord is not None else 0)
+    mesh = dst._spec.mesh
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    offsets, sizes = local_box(dst._spec, coord)
     with _compat.no_subclass_dispatch():
         if isinstance(src, DTensor):
             spl = tuple(src._spec.placements)
@@ -782,18 +922,57 @@ def copy_into_rows(dst: RowParam, src: Any) -> RowParam:
                     f"{dst._fsdp_name or '?'}: source shape {tuple(src.shape)}, parameter "
                     f"{tuple(dst.shape)}")
             src = src.expand(dst.shape)
-        dst._local_tensor.copy_(src.narrow(0, a, b - a))
+        for d, (o, n) in enumerate(zip(offsets, sizes)):
+            src = src.narrow(d, o, n)
+        dst._local_tensor.copy_(src)
     return dst
+
+
+def local_box(spec: DTensorSpec, coord: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(offsets, sizes)`` of the local tensor at mesh coordinate ``coord``
+    in the global tensor of a RowParam's spec: a TP placement's chunk
+    (torch.chunk's, as TP shards it) first, then our rows inside it."""
+    shape = list(spec.shape)
+    offsets = [0] * len(shape)
+    k = _row_index(spec)
+    assert k is not None
+    for i, pl in enumerate(spec.placements):
+        if i == k or not isinstance(pl, Shard):
+            continue
+        d = pl.dim % len(shape)
+        n = spec.mesh.size(i)
+        c = -(-shape[d] // n) if shape[d] else 0
+        lo = min(coord[i] * c, shape[d])
+        hi = min(lo + c, shape[d])
+        offsets[d] += lo
+        shape[d] = hi - lo
+    a, b = spec.placements[k].rows_of(coord[k])  # type: ignore[attr-defined]
+    if shape:
+        offsets[0] += a
+        shape[0] = b - a
+    return offsets, shape
 
 
 # ------------------------------------------------------------ construction
 
-def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-    """Rows split by ``cuts`` over the mesh's last dim; replicated over the
-    others (HSDP's replica dim, as FSDP2 places it: ``(Replicate(), Shard(0))``)."""
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(mesh, (Replicate(),) * (mesh.ndim - 1) + (RowShard(cuts),),
-                       tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype,
+             tail: Sequence = (), stride: Sequence[int] | None = None) -> DTensorSpec:
+    """Rows split by ``cuts`` over the mesh dim before the ``tail``'s (the
+    last without one); replicated over the dims before it (HSDP's replica
+    dim, as FSDP2 places it: ``(Replicate(), Shard(0))``). ``tail``: a TP
+    parameter's own placements on the mesh's last dims, ``shape`` and
+    ``stride`` its global ones, ``cuts`` over the rows of its local TP shard
+    (see [Note: TP parameters as RowParams])."""
+    tail = tuple(tail)
+    first = mesh.ndim - len(tail)
+    within = 1
+    for i, q in enumerate(tail):
+        if isinstance(q, Shard) and q.dim == 0:
+            within *= mesh.size(first + i)
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, (Replicate(),) * (first - 1) + (RowShard(cuts, within),) + tail,
+                       tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
 
 
 def row_param(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> RowParam:
