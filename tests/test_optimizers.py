@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 import fsdp_compose
 from fsdp_compose import fully_shard
+from fsdp_compose._group._row_dtensor import local_of
 
 from . import _support
 from ._support import compare_with_reference, rows, shard, sharded_range
@@ -311,6 +313,19 @@ def _scaled_run(rank: int, world: int, kind: str, mesh=None) -> dict:
     return out
 
 
+class _ScalarNet(nn.Module):
+    """A 0-d parameter alone (the one kind of sharded parameter that stays a
+    plain row piece; beside a RowParam of its dtype, DTensor's check would
+    reduce its flag too, and the guard lets it through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.s
+
+
 def _scalers(rank: int, world: int) -> dict:
     from fsdp_compose import DivergenceError
     out = {"sharded": _scaled_run(rank, world, "sharded")}
@@ -320,8 +335,8 @@ def _scalers(rank: int, world: int) -> dict:
         # HSDP (2 replicas x 2 shards): gradients are RowParams placed
         # (Replicate(), RowShard): torch's check reduces over the whole mesh
         out["hsdp"] = _scaled_run(rank, world, "plain", mesh=init_device_mesh("cpu", (2, 2)))
-        # tensor parallel inside units (dp 2 x tp 2): gradients stay plain
-        # row pieces of the TP shards, so the guard raises
+        # tensor parallel inside units (dp 2 x tp 2): gradients are RowParams
+        # over the (dp, tp) mesh; an inf in one rank's rows of a TP weight
         from ._tp_net import IN, T, Net, parallelize
         torch.manual_seed(0)
         model = Net()
@@ -329,11 +344,28 @@ def _scalers(rank: int, world: int) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = _scaler("plain")
         scaler.scale(model(torch.randn(2, T, IN)).pow(2).mean()).backward()
-        try:
-            scaler.unscale_(opt)
-            out["tp_plain"] = None
-        except RuntimeError as e:
-            out["tp_plain"] = str(e)
+        w = model.layers[0].attn.q.weight  # (a column-wise weight: RowShard within TP blocks)
+        if rank == 0:
+            local_of(w.grad).view(-1)[0] = float("inf")
+        before = [local_of(p).clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        out["tp"] = {"is_dtensor": isinstance(w.grad, DTensor), "placements": str(w.placements),
+                     "stepped": any(not torch.equal(b, local_of(p))
+                                    for b, p in zip(before, model.parameters())),
+                     "scale": scaler.get_scale()}
+    # plain row pieces are left only for 0-d parameters: the guard raises
+    torch.manual_seed(0)
+    model = _ScalarNet()
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = _scaler("plain")
+    scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+    try:
+        scaler.unscale_(opt)
+        out["plain_pieces"] = None
+    except RuntimeError as e:
+        out["plain_pieces"] = str(e)
     try:  # last: a DivergenceError stops this process group's models
         out["unguarded"] = _scaled_run(rank, world, "unguarded")
         out["checked"] = None
@@ -419,15 +451,26 @@ def test_plain_grad_scaler_on_hsdp_skips_the_same_steps(scaled):
         _assert_steps_as_the_reference(rank, r["hsdp"]["steps"])
 
 
-def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):
-    """The guard, where gradients are still plain row pieces (tensor
-    parallel inside units): every rank raises at the first unscale_, naming
-    a split parameter and the fix."""
+def test_plain_grad_scaler_on_tp_gradients_skips_on_every_rank(scaled):
+    """Tensor parallel inside units (dp 2 x tp 2): gradients are RowParams on
+    the (dp, tp) mesh, so torch's GradScaler reduces found-inf over both
+    dims: an inf in rank 0's rows alone makes every rank skip and back off."""
     world, results = scaled
     if world != 4:
         pytest.skip("dp x tp needs 4 ranks")
     for rank, r in enumerate(results):
-        msg = r["tp_plain"]
+        tp = r["tp"]
+        assert tp["is_dtensor"] and "within 2 TP blocks" in tp["placements"], (rank, tp)
+        assert not tp["stepped"] and tp["scale"] == SCALER["init_scale"] * 0.5, (rank, tp)
+
+
+def test_plain_grad_scaler_on_plain_pieces_raises_on_every_rank(scaled):
+    """The guard, where gradients are still plain row pieces (a 0-d
+    parameter): every rank raises at the first unscale_, naming a split
+    parameter and the fix."""
+    world, results = scaled
+    for rank, r in enumerate(results):
+        msg = r["plain_pieces"]
         assert msg is not None, (rank, "no error")
         for want in (f"[rank {rank}]", "GradScaler on sharded parameters", "split over ranks",
                      "ShardedGradScaler"):

@@ -518,6 +518,13 @@ class RowParam(DTensor):
     # DCP reads a DTensor's place in the global tensor from these; DTensor's
     # own would nest our split before a TP one that also cuts dim 0
     def __create_write_items__(self, fqn: str, object: Any):
+        with _compat.no_subclass_dispatch():
+            empty = self._local_tensor.numel() == 0
+        if empty and self.numel() > 0:
+            # A rank holding none of the rows writes nothing: its empty chunk
+            # starts where the next rank's rows do, and DCP keeps one write
+            # item per (key, offset) across ranks, maybe the empty one.
+            return []
         if not _has_tail(self._spec):
             return super().__create_write_items__(fqn, object)
         from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,
@@ -803,10 +810,11 @@ def _foreach(func, op: str, args, kwargs):
     """A foreach op (``torch._foreach_mul_(grads, c)``, GradScaler's unscale):
     element-wise per list index, so checked and rewrapped per index; the
     lists' tensors (different parameters) may split dim 0 differently. Lists
-    that also hold plain tensors (the grads of 0-d and TP-in-unit parameters,
-    which stay plain), which DTensor refuses, run as two calls: the plain indices,
-    then the DTensor ones (GradScaler's check: DTensor's call then reduces
-    ``found_inf`` over the mesh, the plain call's flags included)."""
+    that also hold plain tensors (the grads of 0-d parameters, which stay
+    plain), which DTensor refuses, or DTensors of several meshes (a unit's
+    and its TP parameters'), run as one call per kind: the plain indices,
+    then the DTensors of each mesh (GradScaler's check: DTensor's calls then
+    reduce ``found_inf`` over their meshes, the plain call's flags included)."""
     n = len(args[0])
     operands = (*args, *kwargs.values())
     lists = [a for a in operands if isinstance(a, (list, tuple)) and len(a) == n]
@@ -814,19 +822,28 @@ def _foreach(func, op: str, args, kwargs):
     cols = [[lst[i] for lst in lists] + rest for i in range(n)]
     for col in cols:
         _precheck(op, col, {})
-    plain = [i for i in range(n) if not any(isinstance(lst[i], DTensor) for lst in lists)]
-    if 0 < len(plain) < n:
-        dts = [i for i in range(n) if i not in set(plain)]
+    # one call per kind of operand: plain tensors, then the DTensors of each
+    # mesh, the mesh with the most dims last (GradScaler's check reduces
+    # found_inf over the mesh of its list's first DTensor only: a TP
+    # parameter's (dp, tp) mesh after the unit's dp mesh, so the flag ends
+    # reduced over both)
+    meshes: dict = {}
+    for i in range(n):
+        d = next((lst[i] for lst in lists if isinstance(lst[i], DTensor)), None)
+        meshes.setdefault(None if d is None else d._spec.mesh, []).append(i)
+    if len(meshes) > 1:
+        calls = sorted(meshes.items(), key=lambda kv: -1 if kv[0] is None else kv[0].ndim)
 
         def pick(a, idx):
             return type(a)(a[i] for i in idx) if any(a is lst for lst in lists) else a
 
-        parts = [func(*[pick(a, idx) for a in args],
-                      **{k: pick(v, idx) for k, v in kwargs.items()}) for idx in (plain, dts)]
-        if not isinstance(parts[0], (list, tuple)):
-            return parts[0]  # (in place)
+        parts = [(idx, func(*[pick(a, idx) for a in args],
+                            **{k: pick(v, idx) for k, v in kwargs.items()}))
+                 for _, idx in calls]
+        if not isinstance(parts[0][1], (list, tuple)):
+            return parts[0][1]  # (in place)
         out: Any = [None] * n
-        for idx, part in zip((plain, dts), parts):
+        for idx, part in parts:
             for i, o in zip(idx, part):
                 out[i] = o
     else:

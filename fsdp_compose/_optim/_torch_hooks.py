@@ -310,8 +310,8 @@ def _first_unchecked_split(params):
     ``GradScaler`` would keep rank-local; None if none. A RowParam's gradient
     is a DTensor: torch's check all-reduces ``found_inf`` over its mesh, and
     with it the flags of the plain gradients of the same dtype and device in
-    that call (a 0-d parameter's piece, outside HSDP). TP-in-unit pieces
-    stay rank-local."""
+    that call (a 0-d parameter's piece, outside HSDP). A TP parameter whose
+    meshes torch cannot join stays a plain piece, rank-local."""
     checked = {(p.dtype, p.device) for p in params if isinstance(p, RowParam)}
     for p in params:
         hit = _split_hit(p)

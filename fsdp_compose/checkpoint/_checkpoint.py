@@ -250,7 +250,7 @@ def _load_entry(g, e, value: Any, dst: torch.Tensor) -> str | None:
         placed = tuple(value.placements)
         if any(isinstance(pl, RowShard) for pl in placed):  # (== Shard(0): tested first)
             if e.row is not None and placed == tuple(e.row.placements) \
-                    and value.device_mesh == g.mesh:
+                    and value.device_mesh == e.row.mesh:
                 dst.copy_(value._local_tensor.reshape(-1))
                 return None
             # another split: through the whole tensor, below
