@@ -10,7 +10,7 @@ from ._base._common import ShardedState, TrainingState, record_schedule
 from ._comm._divergence import DivergenceError
 from ._runtime._fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from ._runtime._fully_shard import fully_shard, param_info
-from ._group._row_dtensor import RowShard
+from ._group._row_dtensor import RowShard, TPShard
 from ._group._row_dtensor import _rebuild as _rebuild_row_param  # noqa: F401  (pickles: there)
 from .api import (CommStats, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                   ParamInfo)
@@ -48,5 +48,6 @@ __all__ = [
     "materialize",
     "use_as_fsdp2",
     "RowShard",
+    "TPShard",
 ]
 __version__ = "0.1.0"

@@ -655,3 +655,120 @@ def test_hsdp_parameters_are_replicated_row_dtensors(tmp_path):
         norm, ref, scaled = r["clip"]
         assert norm == pytest.approx(ref, rel=1e-6) and scaled, r["clip"]
         assert r["dcp"] == (True, True), rank
+
+
+# ----------------------------------------------------------------- TP parameters
+# A tensor-parallel parameter inside a unit ([Note: TP parameters as RowParams]):
+# a RowParam on the joined (dp, tp) mesh, our rows cut inside its local TP shard.
+# SHAPE's 7 rows over tp 2 are TP blocks of 4 and 3 rows (torch.chunk's), so the
+# dp cuts differ between TP coordinates, as fully_shard's layouts would.
+TP_CUTS = {  # tail -> tp coordinate -> dp cuts of that TP shard's rows (empty pieces)
+    "shard0": {0: (0, 4, 4), 1: (0, 1, 3)},
+    "shard1": {0: (0, 0, 7), 1: (0, 0, 7)},
+}
+# ops that must give the unsharded result on a TP parameter (element-wise, whole reductions)
+TP_MUST_EQUAL = {
+    "add_scalar", "mul_scalar", "neg", "abs", "exp", "sqrt_abs", "sigmoid", "tanh", "relu",
+    "sign", "pow2", "clamp", "square_add", "lerp", "where", "clone", "zeros_like", "ones_like",
+    "full_like", "to_f64", "to_bf16", "sum", "mean", "amax", "amin", "norm", "norm_inf",
+    "max_all", "norm_inf_all"}
+
+
+def _tp_worker(rank: int, ws: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp_compose._group._row_dtensor import local_box, row_param, row_spec
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    full = _full()
+    out: dict = {}
+    for kind, tail in (("shard0", Shard(0)), ("shard1", Shard(1))):
+        cuts = TP_CUTS[kind][t]
+        tp_local = full.chunk(2, dim=tail.dim)[t]  # what TP gives this rank
+
+        def param(src, name="w"):
+            local = src.chunk(2, dim=tail.dim)[t][cuts[d]:cuts[d + 1]].clone()
+            p = nn.Parameter(row_param(local, row_spec(mesh, cuts, src.shape, src.dtype,
+                                                       tail=(tail,))))
+            p._fsdp_name = name
+            return p
+
+        p = param(full)
+        r: dict = {"placements": str(p.placements), "shape": tuple(p.shape),
+                   "local": torch.equal(p.to_local(), tp_local[cuts[d]:cuts[d + 1]])}
+        off, size = local_box(p._spec, (d, t))
+        r["box"] = torch.equal(p.to_local(), full[off[0]:off[0] + size[0],
+                                                  off[1]:off[1] + size[1]])
+        r["full_tensor"] = torch.equal(p.full_tensor(), full)
+        r["replicate"] = torch.equal(p.redistribute(mesh, [Replicate(), Replicate()]).to_local(),
+                                     full)
+        r["to_chunks"] = torch.equal(p.redistribute(mesh, [Shard(0), Shard(1)]).full_tensor(),
+                                     full)
+        r["ops"] = _op_results(p, full, lambda x: distribute_tensor(
+            x, mesh, [Replicate(), Replicate()]), rank)
+        # copy_ (torchtitan's init) from a full tensor and from a replicated DTensor
+        copies = {}
+        for name, src in {"full": full * 2, "replicate": distribute_tensor(
+                full * 3, mesh, [Replicate(), Replicate()])}.items():
+            q = param(torch.zeros(SHAPE))
+            with torch.no_grad():
+                q.copy_(src)
+            copies[name] = torch.equal(q.full_tensor(), _as_full(src))
+        r["copy"] = copies
+        # torch's own clip (not our routing) on the gradient: the unsharded norm
+        cp = param(full)
+        cp.grad = row_param(_full(20).chunk(2, dim=tail.dim)[t][cuts[d]:cuts[d + 1]].clone(),
+                            cp._spec)
+        torch_clip = torch.nn.utils.clip_grad_norm_
+        torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)
+        norm = torch_clip([cp], 1.0)
+        r["clip_norm"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        r["clip_ref"] = float(_full(20).norm())
+        # DCP: save ours; load into torch.chunk's (Shard(0), Shard(1)) and back into ours
+        path = f"{_tmp_root()}/dcp_tp_{kind}"
+        dcp.save({"w": p}, checkpoint_id=path)
+        into = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0), Shard(1)])}
+        dcp.load(into, checkpoint_id=path)
+        back = {"w": param(torch.zeros(SHAPE))}
+        dcp.load(back, checkpoint_id=path)
+        r["dcp"] = (torch.equal(into["w"].full_tensor(), full),
+                    torch.equal(back["w"].full_tensor(), full))
+        dist.barrier()
+        out[kind] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def got_tp(tmp_path_factory):
+    import os
+    os.environ["FSDP_ROW_DTENSOR_TMP"] = str(tmp_path_factory.mktemp("rowdt_tp"))
+    return run_distributed(_tp_worker, 4, timeout=240)
+
+
+def test_tp_parameters_are_dtensors_on_the_joined_mesh(got_tp):
+    for rank, r in enumerate(got_tp):
+        s0, s1 = r["shard0"], r["shard1"]
+        assert "within 2 TP blocks" in s0["placements"] and "Shard(dim=0)" in s0["placements"]
+        assert "within" not in s1["placements"] and "Shard(dim=1)" in s1["placements"]
+        for kind in ("shard0", "shard1"):
+            k = r[kind]
+            assert k["shape"] == SHAPE and k["local"] and k["box"], (rank, kind)
+            assert k["full_tensor"] and k["replicate"] and k["to_chunks"], (rank, kind)
+            assert k["copy"] == {"full": True, "replicate": True}, (rank, kind, k["copy"])
+            assert k["clip_norm"] == pytest.approx(k["clip_ref"], rel=1e-6), (rank, kind)
+            assert k["dcp"] == (True, True), (rank, kind)
+
+
+def test_tp_parameter_ops_equal_the_unsharded_result_or_raise_on_every_rank(got_tp):
+    for kind in ("shard0", "shard1"):
+        for name in _OPS:
+            seen = [r[kind]["ops"][name] for r in got_tp]
+            if name in TP_MUST_EQUAL:
+                assert all(s == "equal" for s in seen), (kind, name, seen)
+            elif name in MUST_RAISE or any(s != "equal" for s in seen):
+                for rank, s in enumerate(seen):  # raised alike on every rank, naming it
+                    assert s[0] == "raised" and s[1], (kind, name, rank, s)

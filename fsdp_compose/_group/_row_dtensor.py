@@ -61,7 +61,7 @@ from .._base._compat import DTensorSpec, TensorMeta, funcol, tree_map_only
 from .._base._compat import pytree_leaves as tree_leaves
 from .._base._common import all_gather_tensor
 
-__all__ = ["RowShard", "RowParam", "row_param", "local_of"]
+__all__ = ["RowShard", "TPShard", "RowParam", "row_param", "local_of"]
 
 
 # all_gather_single (2.13+); all_gather_tensor on 2.11, deprecated since
@@ -216,12 +216,7 @@ class RowShard(Shard):
 
     def _not_strided(self) -> None:
         if self.within > 1:
-            raise NotImplementedError(
-                f"fsdp_compose [rank {_rank()}]: {_describe_doing()}: DTensor would move the rows "
-                "of a tensor-parallel parameter sharded inside a unit as if the data-parallel "
-                "split came before the TP one (it comes after: RowShard within TP blocks). "
-                "Call .full_tensor() or .redistribute() on the parameter itself, or "
-                ".to_local() for this rank's rows.")
+            raise _strided_refusal()
 
     # ------------------------------------------------------- data movement
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
@@ -299,6 +294,51 @@ class RowShard(Shard):
         return full.narrow(0, a, b - a).clone()
 
 
+class _StridedRefusal(NotImplementedError):
+    """DTensor tried to move the rows of a TP parameter's strided spec."""
+
+
+def _strided_refusal() -> NotImplementedError:
+    return _StridedRefusal(
+        f"fsdp_compose [rank {_rank()}]: {_describe_doing()}: DTensor would move the rows of a "
+        "tensor-parallel parameter sharded inside a unit as if the data-parallel split came "
+        "before the TP one (it comes after: RowShard within TP blocks). Call .full_tensor() "
+        "or .redistribute() on the parameter itself, or .to_local() for this rank's rows.")
+
+
+class TPShard(Shard):
+    """A TP placement ``Shard(0)`` in the spec of a parameter whose rows we
+    also split (``RowShard(within=...)``): equal to ``Shard(0)``, but DTensor
+    may not move data through it, since its nesting of the two splits is not
+    ours (see [Note: TP parameters as RowParams]); it raises instead of
+    cutting or gathering the wrong rows (or entering a collective with sizes
+    that differ between ranks)."""
+
+    def __init__(self, dim: int = 0):
+        super().__init__(dim)
+
+    def __eq__(self, other: object) -> bool:
+        return Shard.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash(("TPShard", self.dim))
+
+    def __reduce__(self):
+        return (TPShard, (self.dim,))
+
+    def __deepcopy__(self, memo):
+        return self  # immutable
+
+    def _split_tensor(self, *args, **kwargs):
+        raise _strided_refusal()
+
+    _select_split_tensor = _shard_tensor = _reduce_shard_tensor = _split_tensor
+    _to_replicate_tensor = _replicate_to_shard = _to_new_shard_dim = _split_tensor
+
+
+TPShard.__module__ = "fsdp_compose"
+
+
 # ---------------------------------------------------------------- RowParam
 
 # Calls that read metadata only: no DTensor dispatch, nothing cached
@@ -357,6 +397,14 @@ def _has_tail(spec: DTensorSpec) -> bool:
     return k is not None and any(not q.is_replicate() for q in spec.placements[k + 1:])
 
 
+def _may_be_empty(spec: DTensorSpec) -> bool:
+    """Some rank's piece may be empty. A TP parameter's cuts differ between
+    TP coordinates where its TP blocks do (torch.chunk's): the answer must be
+    the same on every rank, so for it, always."""
+    pl = _rows(spec)
+    return pl is not None and (pl.has_empty or _has_tail(spec))
+
+
 def _uneven(t) -> bool:
     """``t`` is a RowParam with a dim whose split is not what DTensor would
     assume: not torch.chunk's, or nested in a TP parameter's placements."""
@@ -392,7 +440,8 @@ def _split_of(d: DTensor):
     k = _row_index(spec)
     if k is not None:
         pl: Any = spec.placements[k]
-        return (k, pl.cuts, pl.within, tuple(spec.placements[k + 1:]))
+        return (k, pl.cuts, pl.within, tuple(  # (TPShard(0) is Shard(0) here: by dim)
+            ("S", q.dim) if isinstance(q, Shard) else repr(q) for q in spec.placements[k + 1:]))
     if not all(q.is_replicate() for q in spec.placements[:-1]):
         return None
     pl = spec.placements[-1]
@@ -510,7 +559,7 @@ class RowParam(DTensor):
         with _compat.no_subclass_dispatch():
             local = self._local_tensor.detach()
             rows = spec.placements[k].gather(local, spec.mesh, k)  # type: ignore[attr-defined]
-            pls = list(spec.placements)
+            pls = [Shard(q.dim) if isinstance(q, TPShard) else q for q in spec.placements]
             pls[k] = Replicate()
             return DTensor.from_local(rows, spec.mesh, pls, run_check=False,
                                       shape=spec.shape, stride=spec.stride)
@@ -613,8 +662,7 @@ class RowParam(DTensor):
                 return copy_into_rows(args[0], args[1])
             if (name in _REORDER and _uneven_operand(args, kwargs)) or (
                     name in _NO_IDENTITY and any(
-                        isinstance(t, RowParam)
-                        and getattr(_rows(t._spec), "has_empty", False)
+                        isinstance(t, RowParam) and _may_be_empty(t._spec)
                         for t in tree_leaves((args, kwargs)))):
                 return _on_whole(func, args, kwargs)
             if name in _VIEWS and args and isinstance(args[0], RowParam) and args[0].dim() > 0:
@@ -629,7 +677,16 @@ class RowParam(DTensor):
             if name.startswith(_FOREACH) and args and isinstance(args[0], (list, tuple)):
                 return _foreach(func, name, args, kwargs)
             _precheck(name, args, kwargs)
-            return _rewrap(func(*args, **kwargs), args, name, check=True)
+            try:
+                out = func(*args, **kwargs)
+            except _StridedRefusal:
+                # DTensor wanted to move a TP parameter's rows (a reduction of
+                # uneven pieces, say): on the whole tensors instead, alike on
+                # every rank (an in-place op must write ours: it raises)
+                if name.endswith("_"):
+                    raise
+                return _on_whole(func, args, kwargs)
+            return _rewrap(out, args, name, check=True)
 
 
 def _refs(t) -> int:
@@ -885,8 +942,10 @@ def _rewrap(out, args, op: str, check: bool):
             return o  # Replicate / Partial: does not depend on the split
         if keeps_split(pls) and o.dim() > 0 and o.shape[0] == ref.shape[0]:
             # (the input's split, never the output's object: a cached decision
-            # may carry another tensor's RowShard)
-            spec = DTensorSpec(o._spec.mesh, ref_pls[:k + 1] + pls[k + 1:],  # type: ignore[operator]
+            # may carry another tensor's RowShard; the input's TP tail where it
+            # is kept: DTensor's own Shard(0) there would let it move rows)
+            tail = ref_pls[k + 1:] if pls[k + 1:] == ref_pls[k + 1:] else pls[k + 1:]  # type: ignore[index]
+            spec = DTensorSpec(o._spec.mesh, ref_pls[:k + 1] + tail,  # type: ignore[index]
                                tensor_meta=o._spec.tensor_meta)
             return _named(RowParam(o._local_tensor, spec, requires_grad=o.requires_grad), ref)
         if check and uneven:
@@ -986,6 +1045,8 @@ def row_spec(mesh, cuts: Sequence[int], shape: torch.Size, dtype: torch.dtype,
     for i, q in enumerate(tail):
         if isinstance(q, Shard) and q.dim == 0:
             within *= mesh.size(first + i)
+    if within > 1:  # (TP's Shard(0) there: DTensor may not move data through it)
+        tail = tuple(TPShard(0) if type(q) is Shard and q.dim == 0 else q for q in tail)
     if stride is None:
         stride = torch.empty(shape, device="meta").stride()
     return DTensorSpec(mesh, (Replicate(),) * (first - 1) + (RowShard(cuts, within),) + tail,
