@@ -199,9 +199,12 @@ def _texts() -> list:
     return out
 
 
-def _titan_config(m: dict, root: str, dump: str, *, steps: int, seed_ckpt: str | None):
+def _titan_config(m: dict, root: str, dump: str, *, steps: int, seed_ckpt: str | None,
+                  tp: int = 1):
     """torchtitan's own llama3 debugmodel config (its config registry), with the
-    test's small sizes, generated tokenizer and data, and checkpointing on."""
+    test's small sizes, generated tokenizer and data, and checkpointing on;
+    ``tp > 1``: tensor parallel inside the blocks, fully_shard over the data-
+    parallel dim (dp 2 x tp, torchtitan's own 2-D plan)."""
     from datasets import Dataset
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -245,6 +248,9 @@ def _titan_config(m: dict, root: str, dump: str, *, steps: int, seed_ckpt: str |
     # the last step's checkpoint is never loaded here: the model only (torchtitan's
     # default; the debug config saves everything)
     cfg.checkpoint.last_save_model_only = True
+    if tp > 1:
+        cfg.parallelism.tensor_parallel_degree = tp
+        cfg.parallelism.data_parallel_shard_degree = 2
     if seed_ckpt is not None:
         cfg.checkpoint.initial_load_path = seed_ckpt
         cfg.checkpoint.initial_load_model_only = True
@@ -287,10 +293,12 @@ def titan_seed(rank: int, world: int, root: str) -> str:
     return os.path.join(dump, cfg.checkpoint.folder, "step-0")
 
 
-def titan_run(rank: int, world: int, root: str, impl: str, seed_ckpt: str) -> dict:
+def titan_run(rank: int, world: int, root: str, impl: str, seed_ckpt: str,
+              tp: int = 1) -> dict:
     """One implementation: a Trainer trains TITAN_STEPS steps from the seed
     checkpoint, saving at TITAN_SAVE_AT (the uninterrupted run); a fresh
-    Trainer in the same folder resumes from that step and trains to the end.
+    Trainer in the same folder resumes from that step and trains to the end
+    (``tp > 1``: the 2-D run, see ``_titan_config``).
     Returns what it reached: ``stage`` ("done" or where it failed), ``error``
     and ``traceback`` if it failed, the (step, loss, grad norm) records."""
     import fsdp_compose
@@ -305,9 +313,10 @@ def titan_run(rank: int, world: int, root: str, impl: str, seed_ckpt: str) -> di
     try:
         m = import_titan()
         _titan_shims(m)
-        dump = os.path.join(root, f"titan_{impl}")
+        dump = os.path.join(root, f"titan_{impl}" + (f"_tp{tp}" if tp > 1 else ""))
         stage("build")
-        trainer = _titan_config(m, root, dump, steps=TITAN_STEPS, seed_ckpt=seed_ckpt).build()
+        trainer = _titan_config(m, root, dump, steps=TITAN_STEPS, seed_ckpt=seed_ckpt,
+                                tp=tp).build()
         out["params"] = _param_facts(trainer.model_parts[0])
         out["divide_factor_units"] = list(_DIVIDE_FACTOR_UNITS)
         stage("train")
@@ -316,7 +325,7 @@ def titan_run(rank: int, world: int, root: str, impl: str, seed_ckpt: str) -> di
         out["uninterrupted"] = rec
         trainer.close()
         stage("resume")
-        cfg = _titan_config(m, root, dump, steps=TITAN_STEPS, seed_ckpt=seed_ckpt)
+        cfg = _titan_config(m, root, dump, steps=TITAN_STEPS, seed_ckpt=seed_ckpt, tp=tp)
         cfg.checkpoint.load_step = TITAN_SAVE_AT
         trainer = cfg.build()
         rec = _record_losses(trainer)
@@ -344,7 +353,10 @@ def _param_facts(model) -> dict:
             "count": len(ps), "dtensor": len(dts),
             # as printed (a placement of ours may carry its split), and what it means
             "placements": sorted({str(tuple(p.placements)) for p in dts}),
-            "shard_dims": sorted({tuple(pl.dim if isinstance(pl, Shard) else type(pl).__name__
+            # (the tensor dim each mesh dim shards: FSDP2's _StridedShard is no
+            # Shard subclass on torch 2.13, and shards a dim too)
+            "shard_dims": sorted({tuple(pl.dim if isinstance(pl, Shard) or hasattr(pl, "dim")
+                                        else type(pl).__name__
                                         for pl in p.placements) for p in dts}, key=str),
             "meshes": sorted({(p.device_mesh.ndim, p.device_mesh.size()) for p in dts}),
             "shapes": {n: tuple(p.shape) for n, p in ps}}
@@ -515,38 +527,46 @@ def _prewarm() -> None:
             pass  # the run that needs it reports it
 
 
-def _run(fn, *args, timeout: float) -> list:
-    """``run_distributed`` on 2 ranks; a launch that fails as a whole (a rank
-    that died or hung past ``timeout``) is one error for every rank."""
+def _run(fn, *args, timeout: float, world: int = 2) -> list:
+    """``run_distributed`` on ``world`` ranks; a launch that fails as a whole (a
+    rank that died or hung past ``timeout``) is one error for every rank."""
     from ._dist import DistributedError, run_distributed
     try:
-        return run_distributed(fn, 2, *args, timeout=timeout)
+        return run_distributed(fn, world, *args, timeout=timeout)
     except DistributedError as e:
         msg = str(e)
-        return [{"stage": "launch", "error": msg.strip().splitlines()[-1], "traceback": msg}] * 2
+        return [{"stage": "launch", "error": msg.strip().splitlines()[-1],
+                 "traceback": msg}] * world
 
 
-#: what each stack's runs import (tests/test_stacks.py skips a stack without them)
-PACKAGES = {"torchtitan": ("torchtitan", "datasets", "tokenizers", "torchdata"),
-            "Lightning": ("pytorch_lightning",)}
+_TITAN = ("torchtitan", "datasets", "tokenizers", "torchdata")
+#: what each stack's runs import (tests/test_stacks.py skips a stack without them);
+#: "torchtitan 2-D": its (dp 2, tp 2) run on 4 ranks
+PACKAGES = {"torchtitan": _TITAN, "torchtitan 2-D": _TITAN, "Lightning": ("pytorch_lightning",)}
+TITAN_TP = 2
 
 
 def _launch_all(root: str, stacks) -> dict:
     from ._dist import DistributedError, run_distributed
     out: dict = {"seconds": {}}
-    if "torchtitan" in stacks:
-        t = time.time()
+    seed = None
+    if "torchtitan" in stacks or "torchtitan 2-D" in stacks:
         try:
             seed = run_distributed(titan_seed, 1, root, timeout=300)[0]
         except DistributedError as e:
-            seed = None
             out["titan_seed_error"] = str(e)
+    for stack, key, world, tp in (("torchtitan", "titan", 2, 1),
+                                  ("torchtitan 2-D", "titan2d", 4, TITAN_TP)):
+        if stack not in stacks:
+            continue
+        t = time.time()
         for impl in ("fsdp2", "ours"):
-            out[f"titan_{impl}"] = (
-                _run(titan_run, root, impl, seed, timeout=400) if seed is not None else
+            out[f"{key}_{impl}"] = (
+                _run(titan_run, root, impl, seed, tp, timeout=400, world=world)
+                if seed is not None else
                 [{"stage": "seed", "error": "the seed checkpoint failed",
-                  "traceback": out["titan_seed_error"]}] * 2)
-        out["seconds"]["torchtitan"] = round(time.time() - t, 1)
+                  "traceback": out["titan_seed_error"]}] * world)
+        out["seconds"][stack] = round(time.time() - t, 1)
     if "Lightning" in stacks:
         t = time.time()
         for impl in ("fsdp2", "ours"):
@@ -718,17 +738,21 @@ def table(out: dict) -> str:
     """Stack × step × result, FSDP2 and ours (from one call of ``launches``)."""
     from importlib.metadata import version  # (not the packages: see the module doc)
     rows = []
-    if "titan_fsdp2" in out:
-        f2 = titan_cells(out["titan_fsdp2"], None)
-        ours = titan_cells(out["titan_ours"], out["titan_fsdp2"])
-        name = f"torchtitan {version('torchtitan')}"
-        rows += [(name, s, a, b) for s, a, b in zip(TITAN_STEPS_TEXT, f2, ours)]
+    for key, suffix in (("titan", ""), ("titan2d", f", (dp 2, tp {TITAN_TP}) on 4 ranks")):
+        if f"{key}_fsdp2" in out:
+            f2 = titan_cells(out[f"{key}_fsdp2"], None)
+            ours = titan_cells(out[f"{key}_ours"], out[f"{key}_fsdp2"])
+            name = f"torchtitan {version('torchtitan')}{suffix}"
+            steps = TITAN_STEPS_TEXT if not suffix else [
+                TITAN_STEPS_TEXT[0].replace("(fully_shard)", "(TP in each block, then "
+                                            "fully_shard over dp)")] + TITAN_STEPS_TEXT[1:]
+            rows += [(name, s, a, b) for s, a, b in zip(steps, f2, ours)]
     if "lit_fsdp2" in out:
         f2 = lit_cells(out["lit_fsdp2"], None)
         ours = lit_cells(out["lit_ours"], out["lit_fsdp2"])
         name = f"Lightning {version('pytorch-lightning')} `ModelParallelStrategy`"
         rows += [(name, s, a, b) for s, a, b in zip(LIT_STEPS_TEXT, f2, ours)]
-    lines = ["| stack (2 gloo ranks, CPU) | step | torch FSDP2 | fsdp_compose |",
+    lines = ["| stack (gloo ranks, CPU) | step | torch FSDP2 | fsdp_compose |",
              "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     secs = ", ".join(f"{k} {v:.0f} s" for k, v in out["seconds"].items())

@@ -1,7 +1,8 @@
 """The stacks, unchanged (issue 37): torchtitan's llama3 debug model through its
 own ``Trainer``, and Lightning's ``ModelParallelStrategy``, run by the same
 script on torch's FSDP2 and on fsdp_compose (``use_as_fsdp2()`` the only
-difference), 2 gloo ranks on CPU. The scripts are tests/_stacks.py; the CPU
+difference), 2 gloo ranks on CPU, and torchtitan's 2-D plan (tensor parallel
+inside the blocks, fully_shard over dp) on 4. The scripts are tests/_stacks.py; the CPU
 shims they apply (to both implementations), each with why FSDP2 needs it here:
 
 * torchtitan: the device type and module ("cuda" / ``torch.cuda`` on a
@@ -48,6 +49,8 @@ pytestmark = pytest.mark.slow
 
 titan = pytest.mark.skipif(not HAVE["torchtitan"], reason="needs torchtitan==0.3.0 (and its "
                            "datasets, tokenizers, torchdata)")
+titan2d = pytest.mark.skipif(not HAVE["torchtitan 2-D"], reason="needs torchtitan==0.3.0 (and "
+                             "its datasets, tokenizers, torchdata)")
 lightning = pytest.mark.skipif(not HAVE["Lightning"], reason="needs pytorch-lightning")
 
 
@@ -84,8 +87,8 @@ def _dtensors_as_fsdp2s(ours: dict, f2: dict) -> None:
 TITAN_ORDER = ["launch", "seed", "import", "build", "train", "resume", "done"]
 
 
-def _titan(runs, impl: str, stage: str) -> list:
-    ranks = runs[f"titan_{impl}"]
+def _titan(runs, impl: str, stage: str, key: str = "titan") -> list:
+    ranks = runs[f"{key}_{impl}"]
     _reached(ranks, stage, TITAN_ORDER)
     return ranks
 
@@ -152,6 +155,40 @@ def test_titan_checkpoint_resumes_bitwise(runs):
         assert _losses(a["resumed"]) == _losses(b["resumed"])
 
 
+@titan2d
+def test_titan_2d_parameters_are_dtensors_on_the_2d_mesh(runs):
+    """torchtitan's (dp 2, tp 2) plan: TP inside each block, fully_shard over dp,
+    then its init_weights. Every parameter is a DTensor on the 2-D mesh, as
+    FSDP2's are, placed on the same tensor dims: ``(RowShard, Shard(1))`` for
+    FSDP2's ``(Shard(0), Shard(1))``, ``(RowShard within TP blocks, Shard(0))``
+    for its ``(_StridedShard(0), Shard(0))``, ``(RowShard, Replicate())`` for
+    its ``(Shard(0), Replicate())``."""
+    ours, f2 = _titan(runs, "ours", "build", "titan2d"), _titan(runs, "fsdp2", "build", "titan2d")
+    for a, b in zip(ours, f2):
+        pa, pb = a["params"], b["params"]
+        assert pa["dtensor"] == pa["count"] == pb["dtensor"] == pb["count"] > 0, pa
+        assert pa["meshes"] == pb["meshes"] == [(2, 4)], (pa["meshes"], pb["meshes"])
+        assert pa["shard_dims"] == pb["shard_dims"], (pa["placements"], pb["placements"])
+        assert pa["shapes"] == pb["shapes"]
+        assert any("within 2 TP blocks" in pl for pl in pa["placements"]), pa["placements"]
+
+
+@titan2d
+def test_titan_2d_trains_and_resumes_as_fsdp2(runs):
+    """The same losses as FSDP2's, bitwise, from the same seed checkpoint, and
+    a resume from torchtitan's CheckpointManager that repeats them."""
+    ours = _titan(runs, "ours", "resume", "titan2d")
+    f2 = _titan(runs, "fsdp2", "resume", "titan2d")
+    for a, b in zip(ours, f2):
+        assert _losses(a["uninterrupted"]) == _losses(b["uninterrupted"])
+        na = [x[2] for x in _steps(a["uninterrupted"])]
+        nb = [x[2] for x in _steps(b["uninterrupted"])]
+        assert na == pytest.approx(nb, rel=1e-5)
+        assert a["resumed"][0] == ("load", True)
+        assert _losses(a["resumed"]) == _losses(a["uninterrupted"])[TITAN_SAVE_AT:]
+        assert _losses(a["resumed"]) == _losses(b["resumed"])
+
+
 LIT_ORDER = ["launch", "fit", "resume", "done"]
 FORMATS = list(_stacks.LIT_FORMATS)  # save_distributed_checkpoint=True / False
 
@@ -212,6 +249,6 @@ def test_table(runs):
     """``python -m tests._stacks``'s table: a row per step of each stack run."""
     text = _stacks.table(runs)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    want = (len(_stacks.TITAN_STEPS_TEXT) * HAVE["torchtitan"]
+    want = (len(_stacks.TITAN_STEPS_TEXT) * (HAVE["torchtitan"] + HAVE["torchtitan 2-D"])
             + len(_stacks.LIT_STEPS_TEXT) * HAVE["Lightning"])
     assert len(rows) == 1 + want

@@ -944,8 +944,9 @@ def _rewrap(out, args, op: str, check: bool):
             # (the input's split, never the output's object: a cached decision
             # may carry another tensor's RowShard; the input's TP tail where it
             # is kept: DTensor's own Shard(0) there would let it move rows)
-            tail = ref_pls[k + 1:] if pls[k + 1:] == ref_pls[k + 1:] else pls[k + 1:]  # type: ignore[index]
-            spec = DTensorSpec(o._spec.mesh, ref_pls[:k + 1] + tail,  # type: ignore[index]
+            assert k is not None  # (keeps_split)
+            tail = ref_pls[k + 1:] if pls[k + 1:] == ref_pls[k + 1:] else pls[k + 1:]
+            spec = DTensorSpec(o._spec.mesh, ref_pls[:k + 1] + tail,
                                tensor_meta=o._spec.tensor_meta)
             return _named(RowParam(o._local_tensor, spec, requires_grad=o.requires_grad), ref)
         if check and uneven:
