@@ -440,15 +440,15 @@ def _lit_data():
     return DataLoader(TensorDataset(ids), batch_size=LIT_BATCH, shuffle=False)
 
 
-def _lit_trainer(root: str, distributed_ckpt: bool, callbacks=()):
+def _lit_trainer(root: str, distributed_ckpt: bool, callbacks=(), devices: int = 2):
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import ModelParallelStrategy
     # The harness has set torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
     # MASTER_*) and joined the gloo group: Lightning's environment sees processes
     # created externally and skips its own init; accelerator="cpu" gives a cpu mesh.
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=distributed_ckpt)
-    return pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=strategy,
+    return pl.Trainer(accelerator="cpu", devices=devices, num_nodes=1, strategy=strategy,
                       max_epochs=LIT_EPOCHS, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, default_root_dir=root, callbacks=list(callbacks))
@@ -476,7 +476,7 @@ def lit_run(rank: int, world: int, root: str, impl: str, fmt: str) -> dict:
         fsdp_compose.use_as_fsdp2()
     LitLM = _lit_module_class()
     distributed = fmt == "sharded"
-    path = os.path.join(root, f"lit_{impl}_{fmt}" + ("" if distributed else ".ckpt"))
+    path = os.path.join(root, f"lit{world}_{impl}_{fmt}" + ("" if distributed else ".ckpt"))
     res: dict = {"impl": impl, "rank": rank, "stage": "fit"}
     t0 = time.time()
 
@@ -486,14 +486,14 @@ def lit_run(rank: int, world: int, root: str, impl: str, fmt: str) -> dict:
                 trainer.save_checkpoint(path)
     try:
         module = LitLM(seed=0)
-        trainer = _lit_trainer(root, distributed, [SaveAt()])
+        trainer = _lit_trainer(root, distributed, [SaveAt()], devices=world)
         trainer.fit(module, _lit_data())
         res["uninterrupted"] = module.losses
         res["params"] = _param_facts(module.model)
         res["full_after"] = _full_params(module.model)
         res["stage"] = "resume"
         module2 = LitLM(seed=1)
-        trainer2 = _lit_trainer(root, distributed)
+        trainer2 = _lit_trainer(root, distributed, devices=world)
         trainer2.fit(module2, _lit_data(), ckpt_path=path)
         res["resumed"] = module2.losses
         res["full_resumed"] = _full_params(module2.model)
@@ -542,7 +542,8 @@ def _run(fn, *args, timeout: float, world: int = 2) -> list:
 _TITAN = ("torchtitan", "datasets", "tokenizers", "torchdata")
 #: what each stack's runs import (tests/test_stacks.py skips a stack without them);
 #: "torchtitan 2-D": its (dp 2, tp 2) run on 4 ranks
-PACKAGES = {"torchtitan": _TITAN, "torchtitan 2-D": _TITAN, "Lightning": ("pytorch_lightning",)}
+PACKAGES = {"torchtitan": _TITAN, "torchtitan 2-D": _TITAN, "Lightning": ("pytorch_lightning",),
+            "Lightning 1 device": ("pytorch_lightning",)}
 TITAN_TP = 2
 
 
@@ -567,14 +568,17 @@ def _launch_all(root: str, stacks) -> dict:
                 [{"stage": "seed", "error": "the seed checkpoint failed",
                   "traceback": out["titan_seed_error"]}] * world)
         out["seconds"][stack] = round(time.time() - t, 1)
-    if "Lightning" in stacks:
+    for stack, key, world in (("Lightning", "lit", 2), ("Lightning 1 device", "lit1", 1)):
+        if stack not in stacks:
+            continue
         t = time.time()
         for impl in ("fsdp2", "ours"):
             # a launch per format: a format that fails leaves no rank behind in the next
-            fmts = {fmt: _run(lit_run, root, impl, fmt, timeout=300) for fmt in LIT_FORMATS}
-            out[f"lit_{impl}"] = [{fmt: fmts[fmt][rank] for fmt in LIT_FORMATS}
-                                  for rank in range(2)]
-        out["seconds"]["Lightning"] = round(time.time() - t, 1)
+            fmts = {fmt: _run(lit_run, root, impl, fmt, timeout=300, world=world)
+                    for fmt in LIT_FORMATS}
+            out[f"{key}_{impl}"] = [{fmt: fmts[fmt][rank] for fmt in LIT_FORMATS}
+                                    for rank in range(world)]
+        out["seconds"][stack] = round(time.time() - t, 1)
     return out
 
 
@@ -692,6 +696,11 @@ def titan_cells(ranks: list, ref: list | None) -> list:
     return cells
 
 
+def lit_per_epoch(r: dict) -> int:
+    """Steps per epoch of a run (its rank's share of the data)."""
+    return len(r["uninterrupted"]) // LIT_EPOCHS
+
+
 def lit_cells(ranks: list, ref: list | None) -> list:
     cells = []
     for fmt in LIT_FORMATS:
@@ -712,7 +721,7 @@ def lit_cells(ranks: list, ref: list | None) -> list:
             else:
                 cells.append(err or "?")
         if "resumed" in res[0]:
-            ok = all(r["resumed"] == r["uninterrupted"][LIT_SAVE_AT * LIT_BATCHES:]
+            ok = all(r["resumed"] == r["uninterrupted"][LIT_SAVE_AT * lit_per_epoch(r):]
                      and _same(r["full_resumed"], r["full_after"]) for r in res)
             cells.append("resumes bitwise" if ok else "resumes, DIFFERS")
         else:
@@ -747,11 +756,12 @@ def table(out: dict) -> str:
                 TITAN_STEPS_TEXT[0].replace("(fully_shard)", "(TP in each block, then "
                                             "fully_shard over dp)")] + TITAN_STEPS_TEXT[1:]
             rows += [(name, s, a, b) for s, a, b in zip(steps, f2, ours)]
-    if "lit_fsdp2" in out:
-        f2 = lit_cells(out["lit_fsdp2"], None)
-        ours = lit_cells(out["lit_ours"], out["lit_fsdp2"])
-        name = f"Lightning {version('pytorch-lightning')} `ModelParallelStrategy`"
-        rows += [(name, s, a, b) for s, a, b in zip(LIT_STEPS_TEXT, f2, ours)]
+    for key, suffix in (("lit", ""), ("lit1", ", 1 device")):
+        if f"{key}_fsdp2" in out:
+            f2 = lit_cells(out[f"{key}_fsdp2"], None)
+            ours = lit_cells(out[f"{key}_ours"], out[f"{key}_fsdp2"])
+            name = f"Lightning {version('pytorch-lightning')} `ModelParallelStrategy`{suffix}"
+            rows += [(name, s, a, b) for s, a, b in zip(LIT_STEPS_TEXT, f2, ours)]
     lines = ["| stack (gloo ranks, CPU) | step | torch FSDP2 | fsdp_compose |",
              "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]

@@ -266,6 +266,55 @@ def test_world_one_step_and_clip_match_the_unsharded_model():
             torch.testing.assert_close(p.detach(), q.detach().view_as(p))
 
 
+def test_world_one_through_fsdp2s_name_gives_dtensors_and_the_same_step():
+    """Called as torch's ``fully_shard`` (``use_as_fsdp2``), parameters at world
+    size 1 are DTensors of their shape, as FSDP2's are (Lightning finds the
+    model by them); the step is still the unsharded model's. Called by its own
+    name, fully_shard keeps plain full-shape parameters there."""
+    import torch.distributed.fsdp as tfsdp
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compose import use_as_fsdp2
+
+    torch.manual_seed(0)
+    ref = Net(n=2)
+    with fake_group(0, 1):
+        plain = shard(copy.deepcopy(ref))
+        assert not any(isinstance(p, DTensor) for p in plain.parameters())
+        use_as_fsdp2()
+        try:
+            model = copy.deepcopy(ref)
+            for layer in model.layers:
+                tfsdp.fully_shard(layer)
+            tfsdp.fully_shard(model)
+        finally:
+            use_as_fsdp2(False)
+        assert all(isinstance(p, DTensor) and p.shape == q.shape and p.to_local().shape == q.shape
+                   for p, q in zip(model.parameters(), ref.parameters()))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
+            assert torch.equal(loss, ref_loss), step
+            loss.backward()
+            ref_loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            torch.testing.assert_close(norm, ref_norm)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert isinstance(p.grad, DTensor)
+                torch.testing.assert_close(p.grad.to_local(), q.grad)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach().full_tensor(), q.detach())
+        sd = model.state_dict()
+        assert all(isinstance(v, DTensor) for v in sd.values())
+
+
 def test_checkpoint_round_trip_and_a_truncated_file_changes_nothing(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -309,7 +358,9 @@ def test_use_as_fsdp2_rebinds_torchs_fully_shard_and_restores_it():
     try:
         use_as_fsdp2()
         use_as_fsdp2()  # twice: torch's is still what False restores
-        assert tfsdp.fully_shard is fully_shard and tfsdp_impl.fully_shard is fully_shard
+        # (ours, through a wrapper that makes parameters DTensors at world size 1)
+        assert tfsdp.fully_shard.fsdp_compose is fully_shard
+        assert tfsdp_impl.fully_shard is tfsdp.fully_shard
     finally:
         use_as_fsdp2(False)
     assert (tfsdp.fully_shard, tfsdp_impl.fully_shard) == theirs

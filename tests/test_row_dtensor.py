@@ -676,11 +676,10 @@ TP_MUST_EQUAL = {
 
 def _tp_worker(rank: int, ws: int) -> dict:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
-    from fsdp_compose._group._row_dtensor import local_box, row_param, row_spec
+    from fsdp_compose._group._row_dtensor import row_param, row_spec
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     d, t = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
@@ -700,46 +699,60 @@ def _tp_worker(rank: int, ws: int) -> dict:
         p = param(full)
         r: dict = {"placements": str(p.placements), "shape": tuple(p.shape),
                    "local": torch.equal(p.to_local(), tp_local[cuts[d]:cuts[d + 1]])}
-        off, size = local_box(p._spec, (d, t))
-        r["box"] = torch.equal(p.to_local(), full[off[0]:off[0] + size[0],
-                                                  off[1]:off[1] + size[1]])
-        r["full_tensor"] = torch.equal(p.full_tensor(), full)
-        r["replicate"] = torch.equal(p.redistribute(mesh, [Replicate(), Replicate()]).to_local(),
-                                     full)
-        r["to_chunks"] = torch.equal(p.redistribute(mesh, [Shard(0), Shard(1)]).full_tensor(),
-                                     full)
-        r["ops"] = _op_results(p, full, lambda x: distribute_tensor(
-            x, mesh, [Replicate(), Replicate()]), rank)
-        # copy_ (torchtitan's init) from a full tensor and from a replicated DTensor
-        copies = {}
-        for name, src in {"full": full * 2, "replicate": distribute_tensor(
-                full * 3, mesh, [Replicate(), Replicate()])}.items():
-            q = param(torch.zeros(SHAPE))
-            with torch.no_grad():
-                q.copy_(src)
-            copies[name] = torch.equal(q.full_tensor(), _as_full(src))
-        r["copy"] = copies
-        # torch's own clip (not our routing) on the gradient: the unsharded norm
-        cp = param(full)
-        cp.grad = row_param(_full(20).chunk(2, dim=tail.dim)[t][cuts[d]:cuts[d + 1]].clone(),
-                            cp._spec)
-        torch_clip = torch.nn.utils.clip_grad_norm_
-        torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)
-        norm = torch_clip([cp], 1.0)
-        r["clip_norm"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        r["clip_ref"] = float(_full(20).norm())
-        # DCP: save ours; load into torch.chunk's (Shard(0), Shard(1)) and back into ours
-        path = f"{_tmp_root()}/dcp_tp_{kind}"
-        dcp.save({"w": p}, checkpoint_id=path)
-        into = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0), Shard(1)])}
-        dcp.load(into, checkpoint_id=path)
-        back = {"w": param(torch.zeros(SHAPE))}
-        dcp.load(back, checkpoint_id=path)
-        r["dcp"] = (torch.equal(into["w"].full_tensor(), full),
-                    torch.equal(back["w"].full_tensor(), full))
+        try:  # (not differentiable for a TP parameter: loud rather than gradient-less)
+            p.full_tensor()
+            r["grad_full"] = "no raise"
+        except NotImplementedError as e:
+            r["grad_full"] = str(e)
+        with torch.no_grad():
+            _tp_checks(r, p, param, full, mesh, rank, kind, tail, t, cuts, d)
         dist.barrier()
         out[kind] = r
     return out
+
+
+def _tp_checks(r, p, param, full, mesh, rank, kind, tail, t, cuts, d) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp_compose._group._row_dtensor import local_box, row_param
+    off, size = local_box(p._spec, (d, t))
+    r["box"] = torch.equal(p.to_local(), full[off[0]:off[0] + size[0],
+                                              off[1]:off[1] + size[1]])
+    r["full_tensor"] = torch.equal(p.full_tensor(), full)
+    r["replicate"] = torch.equal(p.redistribute(mesh, [Replicate(), Replicate()]).to_local(),
+                                 full)
+    r["to_chunks"] = torch.equal(p.redistribute(mesh, [Shard(0), Shard(1)]).full_tensor(),
+                                 full)
+    r["ops"] = _op_results(p, full, lambda x: distribute_tensor(
+        x, mesh, [Replicate(), Replicate()]), rank)
+    # copy_ (torchtitan's init) from a full tensor and from a replicated DTensor
+    copies = {}
+    for name, src in {"full": full * 2, "replicate": distribute_tensor(
+            full * 3, mesh, [Replicate(), Replicate()])}.items():
+        q = param(torch.zeros(SHAPE))
+        with torch.no_grad():
+            q.copy_(src)
+        copies[name] = torch.equal(q.full_tensor(), _as_full(src))
+    r["copy"] = copies
+    # torch's own clip (not our routing) on the gradient: the unsharded norm
+    cp = param(full)
+    cp.grad = row_param(_full(20).chunk(2, dim=tail.dim)[t][cuts[d]:cuts[d + 1]].clone(),
+                        cp._spec)
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    torch_clip = getattr(torch_clip, "__wrapped__", torch_clip)
+    norm = torch_clip([cp], 1.0)
+    r["clip_norm"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    r["clip_ref"] = float(_full(20).norm())
+    # DCP: save ours; load into torch.chunk's (Shard(0), Shard(1)) and back into ours
+    path = f"{_tmp_root()}/dcp_tp_{kind}"
+    dcp.save({"w": p}, checkpoint_id=path)
+    into = {"w": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0), Shard(1)])}
+    dcp.load(into, checkpoint_id=path)
+    back = {"w": param(torch.zeros(SHAPE))}
+    dcp.load(back, checkpoint_id=path)
+    r["dcp"] = (torch.equal(into["w"].full_tensor(), full),
+                torch.equal(back["w"].full_tensor(), full))
 
 
 @pytest.fixture(scope="module")
@@ -761,6 +774,7 @@ def test_tp_parameters_are_dtensors_on_the_joined_mesh(got_tp):
             assert k["copy"] == {"full": True, "replicate": True}, (rank, kind, k["copy"])
             assert k["clip_norm"] == pytest.approx(k["clip_ref"], rel=1e-6), (rank, kind)
             assert k["dcp"] == (True, True), (rank, kind)
+            assert "differentiable full_tensor()" in k["grad_full"] and "w" in k["grad_full"], k
 
 
 def test_tp_parameter_ops_equal_the_unsharded_result_or_raise_on_every_rank(got_tp):

@@ -52,6 +52,7 @@ titan = pytest.mark.skipif(not HAVE["torchtitan"], reason="needs torchtitan==0.3
 titan2d = pytest.mark.skipif(not HAVE["torchtitan 2-D"], reason="needs torchtitan==0.3.0 (and "
                              "its datasets, tokenizers, torchdata)")
 lightning = pytest.mark.skipif(not HAVE["Lightning"], reason="needs pytorch-lightning")
+lightning1 = pytest.mark.skipif(not HAVE["Lightning 1 device"], reason="needs pytorch-lightning")
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +194,8 @@ LIT_ORDER = ["launch", "fit", "resume", "done"]
 FORMATS = list(_stacks.LIT_FORMATS)  # save_distributed_checkpoint=True / False
 
 
-def _lit(runs, impl: str, fmt: str, stage: str) -> list:
-    ranks = [r[fmt] for r in runs[f"lit_{impl}"]]
+def _lit(runs, impl: str, fmt: str, stage: str, key: str = "lit") -> list:
+    ranks = [r[fmt] for r in runs[f"{key}_{impl}"]]
     _reached(ranks, stage, LIT_ORDER)
     return ranks
 
@@ -245,10 +246,28 @@ def test_lit_checkpoint_resumes_bitwise(runs, fmt):
         assert a["resumed"] == b["resumed"]
 
 
+@lightning1
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lit_one_device_trains_and_resumes_as_fsdp2(runs, fmt):
+    """ModelParallelStrategy on one device (data_parallel_size=1): fully_shard
+    at world size 1, called by FSDP2's name, gives DTensor parameters as
+    FSDP2's does, so Lightning finds the model and resumes (it raised
+    "Could not find a distributed model" while they were plain tensors);
+    FSDP2's losses and parameters, bitwise."""
+    ours = _lit(runs, "ours", fmt, "resume", "lit1")
+    f2 = _lit(runs, "fsdp2", fmt, "resume", "lit1")
+    for a, b in zip(ours, f2):
+        assert a["params"]["dtensor"] == a["params"]["count"] == b["params"]["count"] > 0
+        assert a["uninterrupted"] == b["uninterrupted"] and _same(a["full_after"], b["full_after"])
+        per = _stacks.lit_per_epoch(a)
+        assert a["resumed"] == a["uninterrupted"][LIT_SAVE_AT * per:] == b["resumed"]
+        assert _same(a["full_resumed"], a["full_after"])
+
+
 def test_table(runs):
     """``python -m tests._stacks``'s table: a row per step of each stack run."""
     text = _stacks.table(runs)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     want = (len(_stacks.TITAN_STEPS_TEXT) * (HAVE["torchtitan"] + HAVE["torchtitan 2-D"])
-            + len(_stacks.LIT_STEPS_TEXT) * HAVE["Lightning"])
+            + len(_stacks.LIT_STEPS_TEXT) * (HAVE["Lightning"] + HAVE["Lightning 1 device"]))
     assert len(rows) == 1 + want

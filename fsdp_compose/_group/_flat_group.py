@@ -247,7 +247,8 @@ class FlatGroup:
             return FlatMode.GATHERED
         if self._copies_in:
             return FlatMode.COPIED
-        if (all(e.tp is None and len(e.shape) > 0 for e in self.entries) and self.replicas == 1
+        if (all(e.tp is None and e.row is None and len(e.shape) > 0 for e in self.entries)
+                and self.replicas == 1
                 and self.reduce_dtype == self.dtype and self.post_forward is None):
             return FlatMode.DIRECT
         return FlatMode.ALIASED

@@ -8,6 +8,7 @@ shard-sized buffer (the shard, the gradient shard). The flat group
 """
 from __future__ import annotations
 
+import contextvars
 import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -233,6 +234,14 @@ def _cuts(layout: Layout, i: int) -> tuple:
 
 _JOINED: dict = {}
 
+# Set while FSDP2's name calls ours (``use_as_fsdp2``, _drop_in.py): sharded
+# Parameters are DTensors at shard world size 1 too, as FSDP2 shows them
+# (a stack such as Lightning looks for DTensor parameters to find the
+# model); fsdp_compose's own ``fully_shard`` keeps plain full-shape ones
+# there (docs/design.md, "World size 1: parameters keep their shape").
+DTENSORS_AT_ONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fsdp_compose_dtensors_at_one", default=False)
+
 
 def _joined(mesh, tp: TPSpec):
     """The unit's mesh joined with a TP parameter's mesh (its dims then TP's),
@@ -250,11 +259,13 @@ def _joined(mesh, tp: TPSpec):
 def make_entries(params: list, locals_: list, layout: Layout, rank: int,
                  mesh=None) -> list[ParamEntry]:
     """This rank's ParamEntry of every parameter, from the group's layout.
-    With ``mesh`` (1-D, or HSDP's 2-D; more than one rank on its shard dim),
-    sharded Parameters that have a dimension become RowParam DTensors on it
-    (a TP parameter on it joined with its TP mesh)."""
+    With ``mesh`` (1-D, or HSDP's 2-D; more than one rank on its shard dim,
+    or any under ``DTENSORS_AT_ONE``), sharded Parameters that have a
+    dimension become RowParam DTensors on it (a TP parameter on it joined
+    with its TP mesh)."""
     base = layout.rank_range(rank)[0]
-    rows_as_dtensors = mesh is not None and mesh.ndim in (1, 2) and layout.world > 1
+    rows_as_dtensors = (mesh is not None and mesh.ndim in (1, 2)
+                        and (layout.world > 1 or DTENSORS_AT_ONE.get()))
     entries = []
     for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
         a, b = layout.rows_on(i, rank)

@@ -532,12 +532,22 @@ class RowParam(DTensor):
     def full_tensor(self, *args, **kwargs):
         with _calling("full_tensor", self):
             if _has_tail(self._spec):
+                if self.requires_grad and torch.is_grad_enabled():
+                    # (_tp_form's gather is not differentiable: loud, not a
+                    # full tensor that silently drops its gradient)
+                    raise _refuse("full_tensor", [self], "a differentiable full_tensor() of "
+                                  "a tensor-parallel parameter sharded inside a unit is not "
+                                  "supported; call it under torch.no_grad() or on p.detach()")
                 return self._tp_form().full_tensor(*args, **kwargs)
             return super().full_tensor(*args, **kwargs)
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         with _calling("redistribute", self):
             if _has_tail(self._spec):
+                if self.requires_grad and torch.is_grad_enabled():
+                    raise _refuse("redistribute", [self], "a differentiable redistribute() of "
+                                  "a tensor-parallel parameter sharded inside a unit is not "
+                                  "supported; call it under torch.no_grad() or on p.detach()")
                 mesh = device_mesh if device_mesh is not None else self._spec.mesh
                 if placements is not None and tuple(placements) == tuple(self._spec.placements) \
                         and mesh == self._spec.mesh:
