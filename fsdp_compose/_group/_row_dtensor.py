@@ -1090,3 +1090,8 @@ def local_of(t):
 def coord_of(cuts: Sequence[int], row: int) -> int:
     """The mesh coordinate whose rows hold global row ``row``."""
     return bisect_right(cuts, row) - 1
+
+
+# ``torch.load``'s default (weights_only) unpickles what torch allows: FSDP2's
+# DTensors load so, and ours too (their specs are made of torch's allowed classes)
+torch.serialization.add_safe_globals([RowShard, TPShard, _rebuild])
