@@ -753,6 +753,15 @@ def _tp_checks(r, p, param, full, mesh, rank, kind, tail, t, cuts, d) -> None:
     dcp.load(back, checkpoint_id=path)
     r["dcp"] = (torch.equal(into["w"].full_tensor(), full),
                 torch.equal(back["w"].full_tensor(), full))
+    # torch.save / torch.load's default (weights_only): the strided spec survives
+    import io
+    buf = io.BytesIO()
+    torch.save({"w": p}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["w"]
+    r["pickle"] = (type(loaded).__name__, loaded.placements == p.placements,
+                   [type(q).__name__ for q in loaded.placements],
+                   torch.equal(loaded.full_tensor(), full))
 
 
 @pytest.fixture(scope="module")
@@ -775,6 +784,8 @@ def test_tp_parameters_are_dtensors_on_the_joined_mesh(got_tp):
             assert k["clip_norm"] == pytest.approx(k["clip_ref"], rel=1e-6), (rank, kind)
             assert k["dcp"] == (True, True), (rank, kind)
             assert "differentiable full_tensor()" in k["grad_full"] and "w" in k["grad_full"], k
+            kinds = ["RowShard", "TPShard" if kind == "shard0" else "Shard"]
+            assert k["pickle"] == ("RowParam", True, kinds, True), (rank, kind, k["pickle"])
 
 
 def test_tp_parameter_ops_equal_the_unsharded_result_or_raise_on_every_rank(got_tp):
