@@ -232,6 +232,8 @@ def _cuts(layout: Layout, i: int) -> tuple:
     return tuple(cuts)
 
 
+# (unit mesh, TP mesh) -> their joined mesh, or None: made once per pair (a
+# process holds a handful of meshes, alive as long as its model anyway)
 _JOINED: dict = {}
 
 # Set while FSDP2's name calls ours (``use_as_fsdp2``, _drop_in.py): sharded
