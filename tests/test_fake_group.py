@@ -243,27 +243,37 @@ def test_world_one_step_and_clip_match_the_unsharded_model():
     ref = Net(n=2)
     with fake_group(0, 1):
         model = shard(copy.deepcopy(ref))
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-        for step in range(2):
-            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
-            loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
-            assert torch.equal(loss, ref_loss), step
-            loss.backward()
-            ref_loss.backward()
-            norm = clip_grad_norm_(model.parameters(), 0.05)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            assert ref_norm > 0.05  # it clips
-            torch.testing.assert_close(norm, ref_norm)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad.view_as(p.grad))
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+        _two_steps_as_the_reference(model, ref, clip_grad_norm_)
         assert comm_stats().all_gather_calls == 0
+
+
+def _two_steps_as_the_reference(model, ref, clip, grad_of=lambda g: g, value_of=lambda p: p):
+    """Two AdamW steps of ``model`` and of the unsharded ``ref`` on the same
+    data, clipped (``clip`` on ``model``, torch's on ``ref``): equal losses,
+    clipped norms, gradients (``grad_of(p.grad)``) and parameters after
+    (``value_of(p)``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
+        assert torch.equal(loss, ref_loss), step
+        loss.backward()
+        ref_loss.backward()
+        norm = clip(model.parameters(), 0.05)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert ref_norm > 0.05  # it clips
+        torch.testing.assert_close(norm, ref_norm)
         for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach().view_as(p))
+            g = grad_of(p.grad)
+            torch.testing.assert_close(g, q.grad.view_as(g))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        v = value_of(p.detach())
+        torch.testing.assert_close(v, q.detach().view_as(v))
 
 
 def test_world_one_through_fsdp2s_name_gives_dtensors_and_the_same_step():
@@ -291,26 +301,12 @@ def test_world_one_through_fsdp2s_name_gives_dtensors_and_the_same_step():
             use_as_fsdp2(False)
         assert all(isinstance(p, DTensor) and p.shape == q.shape and p.to_local().shape == q.shape
                    for p, q in zip(model.parameters(), ref.parameters()))
-        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-        for step in range(2):
-            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
-            loss, ref_loss = model(x).pow(2).mean(), ref(x).pow(2).mean()
-            assert torch.equal(loss, ref_loss), step
-            loss.backward()
-            ref_loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            torch.testing.assert_close(norm, ref_norm)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                assert isinstance(p.grad, DTensor)
-                torch.testing.assert_close(p.grad.to_local(), q.grad)
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach().full_tensor(), q.detach())
+
+        def local(g):
+            assert isinstance(g, DTensor)
+            return g.to_local()
+        _two_steps_as_the_reference(model, ref, torch.nn.utils.clip_grad_norm_, local,
+                                    lambda p: p.full_tensor())
         sd = model.state_dict()
         assert all(isinstance(v, DTensor) for v in sd.values())
 

@@ -60,6 +60,7 @@ from .._base import _compat
 from .._base._compat import DTensorSpec, TensorMeta, funcol, tree_map_only
 from .._base._compat import pytree_leaves as tree_leaves
 from .._base._common import all_gather_tensor
+from .._plan._layout import chunk_range
 
 __all__ = ["RowShard", "TPShard", "RowParam", "row_param", "local_of"]
 
@@ -532,22 +533,14 @@ class RowParam(DTensor):
     def full_tensor(self, *args, **kwargs):
         with _calling("full_tensor", self):
             if _has_tail(self._spec):
-                if self.requires_grad and torch.is_grad_enabled():
-                    # (_tp_form's gather is not differentiable: loud, not a
-                    # full tensor that silently drops its gradient)
-                    raise _refuse("full_tensor", [self], "a differentiable full_tensor() of "
-                                  "a tensor-parallel parameter sharded inside a unit is not "
-                                  "supported; call it under torch.no_grad() or on p.detach()")
+                self._untracked("full_tensor")
                 return self._tp_form().full_tensor(*args, **kwargs)
             return super().full_tensor(*args, **kwargs)
 
     def redistribute(self, device_mesh=None, placements=None, **kwargs):
         with _calling("redistribute", self):
             if _has_tail(self._spec):
-                if self.requires_grad and torch.is_grad_enabled():
-                    raise _refuse("redistribute", [self], "a differentiable redistribute() of "
-                                  "a tensor-parallel parameter sharded inside a unit is not "
-                                  "supported; call it under torch.no_grad() or on p.detach()")
+                self._untracked("redistribute")
                 mesh = device_mesh if device_mesh is not None else self._spec.mesh
                 if placements is not None and tuple(placements) == tuple(self._spec.placements) \
                         and mesh == self._spec.mesh:
@@ -558,6 +551,16 @@ class RowParam(DTensor):
                                   "for a tensor-parallel parameter sharded inside a unit")
                 return self._tp_form().redistribute(mesh, placements, **kwargs)
             return super().redistribute(device_mesh, placements, **kwargs)
+
+    def _untracked(self, op: str) -> None:
+        """A TP parameter's ``op`` (``full_tensor`` / ``redistribute``) raises
+        where autograd would track it: ``_tp_form``'s gather is not
+        differentiable (loud, rather than a result that silently drops its
+        gradient)."""
+        if self.requires_grad and torch.is_grad_enabled():
+            raise _refuse(op, [self], f"a differentiable {op}() of a tensor-parallel parameter "
+                          "sharded inside a unit is not supported; call it under "
+                          "torch.no_grad() or on p.detach()")
 
     def _tp_form(self) -> DTensor:
         """A TP parameter's rows gathered over our mesh dim: the plain DTensor
@@ -1027,10 +1030,7 @@ def local_box(spec: DTensorSpec, coord: Sequence[int]) -> tuple[list[int], list[
         if i == k or not isinstance(pl, Shard):
             continue
         d = pl.dim % len(shape)
-        n = spec.mesh.size(i)
-        c = -(-shape[d] // n) if shape[d] else 0
-        lo = min(coord[i] * c, shape[d])
-        hi = min(lo + c, shape[d])
+        lo, hi = chunk_range(shape[d], spec.mesh.size(i), coord[i])
         offsets[d] += lo
         shape[d] = hi - lo
     a, b = spec.placements[k].rows_of(coord[k])  # type: ignore[attr-defined]

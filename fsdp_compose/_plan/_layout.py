@@ -158,6 +158,15 @@ class Layout:
         return sizes, view_at
 
 
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``[lo, hi)`` of part ``index`` when ``size`` is split into ``parts`` as
+    ``torch.chunk`` (and so DTensor's ``Shard``) splits it: parts of
+    ``ceil(size / parts)``, the last ones shorter or empty."""
+    c = -(-size // parts) if size else 0
+    lo = min(index * c, size)
+    return lo, min(lo + c, size)
+
+
 def contiguous_stride(shape) -> tuple:
     """The strides of a contiguous tensor of ``shape`` (a 0-size dim counted as 1)."""
     stride, acc = [], 1

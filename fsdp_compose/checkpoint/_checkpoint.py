@@ -119,18 +119,11 @@ def redistribute(g, e, src: torch.Tensor, src_rows: list, dst_rows: list,
 
 
 def _chunks(g, e) -> list[tuple[int, int]]:
-    return [chunk_rows(e.shape[0], g.world, r) for r in range(g.world)]
+    return [_layout.chunk_range(e.shape[0], g.world, r) for r in range(g.world)]
 
 
 def _placements(g) -> tuple:
     return (Replicate(),) * (g.mesh.ndim - 1) + (Shard(0),)
-
-
-def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """The dim-0 rows ``rank`` holds under ``Shard(0)`` (torch.chunk's split)."""
-    c = -(-rows // world) if rows else 0
-    lo = min(rank * c, rows)
-    return lo, min(lo + c, rows)
 
 
 @contextlib.contextmanager
@@ -169,7 +162,7 @@ def to_dtensor(g, e, piece: torch.Tensor) -> DTensor:
                  else gather_entry(g, e, piece).clone())
         return DTensor.from_local(local, g.mesh, (Replicate(),) * g.mesh.ndim, run_check=False,
                                   shape=e.shape, stride=())
-    lo, hi = chunk_rows(e.shape[0], g.world, g.rank)
+    lo, hi = _layout.chunk_range(e.shape[0], g.world, g.rank)
     if meta:
         local = torch.empty((hi - lo,) + tuple(e.shape[1:]), dtype=piece.dtype, device="meta")
     else:
@@ -188,10 +181,7 @@ def _tp_chunk(tp, coord) -> tuple[list, list]:
     for k, pl in enumerate(tp.placements):
         if type(pl) is Shard:
             d = pl.dim % len(size)
-            n = tp.mesh.size(k)
-            chunk = -(-size[d] // n)
-            lo = min(coord[k] * chunk, size[d])
-            hi = min(lo + chunk, size[d])
+            lo, hi = _layout.chunk_range(size[d], tp.mesh.size(k), coord[k])
             off[d] += lo
             size[d] = hi - lo
         elif not isinstance(pl, Replicate):
