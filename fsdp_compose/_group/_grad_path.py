@@ -58,6 +58,7 @@ from .._comm import _collectives
 from .._plan import _layout
 from .._base._common import ReduceSettings, label
 from .._comm._streams import Backend, Pending
+from ._param_entry import adopt_grads
 
 # A flat gradient up to this size carries its used-flags in its own
 # reduce-scatter (one copy, into a buffer with E more columns); a larger one
@@ -279,9 +280,9 @@ class GradientPath:
     def _adopt_grad_shard(self, buf: torch.Tensor, take: list[bool]) -> None:
         """``buf`` becomes the gradient shard of the entries in ``take`` (an
         empty piece held elsewhere gets an empty gradient, see [Note: empty pieces])."""
-        for e, t in zip(self.group.entries, take):
-            if t:
-                e.set_grad(_empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf))
+        entries = [e for e, t in zip(self.group.entries, take) if t]
+        adopt_grads(entries, [_empty_grad(e, buf) if e.held_elsewhere() else e.piece(buf)
+                              for e in entries])
 
     def stash_unsynced_grad(self) -> None:
         """No gradient sync this backward: keep the flat gradient for the next.
@@ -462,8 +463,8 @@ class GradientPath:
         ``any_rank[k]``: some rank produced entry k's gradient (None: all did)."""
         with torch.no_grad():
             entries = self.group.entries
-            with _compat.no_subclass_dispatch():  # (no RowParam dispatch)
-                none = all(e.sharded.grad is None for e in entries)
+            with _compat.no_subclass_dispatch():  # (torch's getter: not RowParam.grad's)
+                none = all(_compat.TENSOR_GRAD.__get__(e.sharded) is None for e in entries)
             if none:  # the common case: adopt it
                 take = [t and (any_rank is None or any_rank[k])
                         for k, t in enumerate(self.group._trains)]

@@ -9,6 +9,7 @@ shard-sized buffer (the shard, the gradient shard). The flat group
 from __future__ import annotations
 
 import contextvars
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -20,7 +21,8 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from .._base import _compat
 from .._base._compat import DTensorSpec
 from .._plan._layout import Layout
-from ._row_dtensor import RowParam, local_of, row_param, row_spec
+from ._row_dtensor import (_GRAD, RowParam, empty_like_rows, local_of, mirror_grad, row_param,
+                           row_spec)
 
 # RowParam's __torch_function__ skipped for our own per-step reads and writes
 _NO_SUBCLASS_FN = _compat.no_subclass_dispatch
@@ -125,7 +127,7 @@ class ParamEntry:
     def numel(self) -> int:
         return self.shape.numel()
 
-    @property
+    @functools.cached_property
     def piece_shape(self) -> torch.Size:
         """``(rows_r, *shape[1:])``; a 0-d parameter's piece is 1-D (1 or 0
         elements: a 0-d tensor cannot be empty), see docs/design.md."""
@@ -155,6 +157,23 @@ class ParamEntry:
                     grad = self.ext.wrap(grad)
             self.sharded.grad = grad  # (a RowParam's setter mirrors it: RowParam.grad)
 
+    def adopt_grad(self, rows: torch.Tensor) -> None:
+        """``set_grad(rows)`` where ``p.grad`` is None (the common case: the
+        gradient shard after ``zero_grad``), called with RowParam's
+        ``__torch_function__`` already off (``adopt_grads``): torch's own
+        descriptor and the mirror inline, not the ``grad`` property (nothing
+        to release: there was no gradient)."""
+        p = self.sharded
+        if self.row is None or not isinstance(p, RowParam):
+            self.set_grad(rows)
+            return
+        w = self._wrap_grad(rows)
+        _GRAD.__set__(p, w)
+        if type(rows) is torch.Tensor and rows.dtype == p.dtype:
+            p._local_tensor.grad = rows  # (RowParam.grad's mirror: _row_dtensor.mirror_grad)
+        else:
+            mirror_grad(p, w)
+
     def _wrap_grad(self, rows: torch.Tensor) -> RowParam:
         """``rows`` as a RowParam gradient. The wrapper given last time is
         reused (its local tensor replaced) when nothing but this entry holds
@@ -169,7 +188,8 @@ class ParamEntry:
         w = (RowParam(rows, self.row, requires_grad=False)  # type: ignore[arg-type]
              if rows.dtype == self.sharded.dtype else row_param(rows, self.row))  # type: ignore[arg-type]
         w._fsdp_name = self.fqn  # (for messages)
-        w._fsdp_reusable = True  # type: ignore[attr-defined]  # (lets go of its rows when p.grad moves on: _row_dtensor._release)
+        # (lets go of its rows, holding this instead, when p.grad moves on: _row_dtensor._release)
+        w._fsdp_empty = empty_like_rows(rows)  # type: ignore[attr-defined]
         self._grad_wrapper = w
         return w
 
@@ -214,6 +234,14 @@ _p.obj = object()
 # dependent: measured through the same code, not assumed)
 _SOLE = _refs_of(_p, "obj")
 del _p
+
+
+def adopt_grads(entries, grads) -> None:
+    """``e.adopt_grad(g)`` for each entry and its gradient rows, in one block
+    without RowParam's ``__torch_function__`` (every ``p.grad`` is None)."""
+    with _NO_SUBCLASS_FN():
+        for e, g in zip(entries, grads):
+            e.adopt_grad(g)
 
 
 def _held_only_by(holder, name: str) -> bool:

@@ -514,7 +514,10 @@ class RowParam(DTensor):
         with _compat.no_subclass_dispatch():
             old = _GRAD.__get__(self)
             _GRAD.__set__(self, g)
-            mirror_grad(self, g)
+            if g is None:  # (zero_grad, every parameter every step: mirror_grad inline)
+                self._local_tensor.grad = None
+            else:
+                mirror_grad(self, g)
             if old is not None and old is not g:
                 _release(old)
 
@@ -725,18 +728,23 @@ _SOLE_REFS = _sole_refs()
 
 def _release(old) -> None:
     """``p.grad`` moved on from ``old``. A gradient wrapper that its
-    ParamEntry keeps for reuse (``ParamEntry._wrap_grad``: ``_fsdp_reusable``)
-    and that nothing else holds lets go of its rows, so that ``zero_grad``
-    frees the gradient shard as it does with plain tensors (the kept wrapper
-    held all of them: +256 MiB of RSS on the memory benchmark shape). A
-    wrapper the user kept keeps its rows."""
-    if getattr(old, "_fsdp_reusable", False) and _refs(old) <= _SOLE_REFS + 1:
-        # (+1: this function's own argument)
-        key = (old.dtype, old.device)
-        empty = _EMPTY.get(key)
-        if empty is None:
-            empty = _EMPTY[key] = torch.empty(0, dtype=old.dtype, device=old.device)
+    ParamEntry keeps for reuse (``ParamEntry._wrap_grad`` gave it
+    ``_fsdp_empty``, what it holds once released) and that nothing else holds
+    lets go of its rows, so that ``zero_grad`` frees the gradient shard as it
+    does with plain tensors (the kept wrapper held all of them: +256 MiB of
+    RSS on the memory benchmark shape). A wrapper the user kept keeps its rows."""
+    empty = getattr(old, "_fsdp_empty", None)
+    if empty is not None and _refs(old) <= _SOLE_REFS + 1:  # (+1: this function's argument)
         old._local_tensor = empty
+
+
+def empty_like_rows(rows: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``rows``' dtype and device, one per (dtype, device)."""
+    key = (rows.dtype, rows.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = torch.empty(0, dtype=rows.dtype, device=rows.device)
+    return empty
 
 
 _EMPTY: dict = {}  # (dtype, device) -> an empty tensor, what a released wrapper holds
