@@ -22,11 +22,14 @@ from fsdp_compose._plan._layout import Layout, Piece, Slot, plan
 
 def _check(layout: Layout, align: int) -> None:
     slots, W, S = layout.slots, layout.world, layout.chunk
-    bounds = layout.bounds
-    assert len(bounds) == W + 1 and bounds[0] == 0 and bounds[-1] <= layout.numel
-    assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
-    # every shard starts aligned (a rank holding nothing at the end may sit at the end)
-    assert all(b % align == 0 or b == bounds[-1] for b in bounds), bounds
+    lanes = layout.lanes or (layout.bounds,)
+    for k, bounds in enumerate(lanes):  # (two lanes tile the flat: A's end is B's start)
+        assert len(bounds) == W + 1 and bounds[-1] <= layout.numel
+        assert bounds[0] == (0 if k == 0 else lanes[k - 1][-1]), lanes
+        assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
+        # every shard starts aligned (a rank holding nothing at the end may sit at the end)
+        assert all(b % align == 0 or b == bounds[-1] for b in bounds), bounds
+    bounds = lanes[-1]
     if layout.even:
         assert S % align == 0 and S > 0
         assert bounds == tuple(r * S for r in range(W + 1)) and layout.numel == W * S
@@ -64,8 +67,14 @@ def _check(layout: Layout, align: int) -> None:
             assert p.offset % align == 0 and p.offset >= end, (r, p)
             end = p.offset + (p.rows[1] - p.rows[0]) * s.row_numel
             assert end <= layout.shard_numel(r), (r, p, layout.shard_numel(r))
-            # the piece sits where the flat has those rows: zero-copy
-            assert bounds[r] + p.offset == layout.offsets[p.entry] + p.rows[0] * s.row_numel
+            # the piece sits where the flat has those rows: zero-copy (one lane)
+            at, flat = p.offset, None
+            for lo, hi in layout.segments(r):
+                if at < hi - lo:
+                    flat = lo + at
+                    break
+                at -= hi - lo
+            assert flat == layout.offsets[p.entry] + p.rows[0] * s.row_numel, (r, p)
     assert sum(layout.rank_numel()) == sum(s.numel for s in slots)
     sizes, view_at = layout.split_plan()
     assert sum(sizes) == layout.numel
@@ -258,24 +267,28 @@ def test_llama_at_thousands_of_ranks(dim, layers, W):
     total = sum(sum(s.numel for s in lay.slots) for lay in lays)
     T = sum(s.numel for s in block.slots)
     assert not block.even
-    # the largest piece cannot be smaller: W pieces of one element less do not cover
     cuts = _layout._Cuts(block.slots, sorted(range(len(block.slots)),
                                              key=block.offsets.__getitem__), 4)
-    assert cuts.pieces_needed(block.chunk, W) and not cuts.pieces_needed(block.chunk - 1, W)
+    if block.lanes:
+        # two lanes ([Note: lanes]) where one lane's whole rows pad past the
+        # bound: better than the best one lane can do
+        assert not cuts.pieces_needed(block.chunk, W)
+    else:
+        # the largest piece cannot be smaller: W pieces of one element less do not cover
+        assert cuts.pieces_needed(block.chunk, W) and not cuts.pieces_needed(block.chunk - 1, W)
     for lay in lays[:-1]:
         assert lay.numel - T <= W * 4  # the flat: the parameters and its tail
     assert root.padding <= W * root.slots[0].row_numel  # at most a row per rank
     assert max(loads) <= BOUND[W] * total / W, (max(loads), total / W)
     moved = sum(W * lay.chunk for lay in lays)  # an all-gather of every group
-    if (dim, W) == (4096, 4096):
-        # The one case past the bound, at its optimum: w_down's rows are 10944
-        # elements and the even share 49.2K, so a piece inside it holds 4 rows
-        # (43776) or 5 (54720); with 4, w_down takes 1024 ranks and the other
-        # 156.9M elements (rows of 4096) must fit 3072 pieces: 13 rows (53248)
-        # each, 8.1% over the share (the assert above: no smaller piece fits).
-        assert moved <= 1.081 * total
-    else:
-        assert moved <= BOUND[W] * total, moved / total
+    assert moved <= BOUND[W] * total, moved / total
+    # 6.6B at 4096 ranks: w_down's rows are 10944 elements and the even share
+    # 49.2K, so in one lane a piece inside it holds 4 rows (43776) or 5
+    # (54720); with 4, w_down takes 1024 ranks and the other 156.9M elements
+    # (rows of 4096) must fit 3072 pieces of 13 rows (53248), 8.1% over the
+    # share. Two lanes: 2048 ranks hold 2 rows of w_down and 7 of the rest
+    # (50560), the others 12 rows (49152): 2.7% over it.
+    assert bool(block.lanes) == ((dim, W) in {(4096, 4096), (8192, 4096)})
     # equal chunks over these ranks: a multiple of both row sizes per chunk
     old = plan(_llama_block(dim), W, 4, even=True)
     assert old.even and old.numel > 1.1 * sum(s.numel for s in old.slots)
@@ -283,16 +296,17 @@ def test_llama_at_thousands_of_ranks(dim, layers, W):
 
 def test_carry_evens_out_identical_blocks():
     """Without the loads of the earlier groups, 32 identical blocks would put
-    their short pieces (w_down's, whole rows of 10944 elements) on the same
-    ranks every time (8% over the share at 4096 ranks); with them, the
-    parameters' order rotates from block to block and the sums stay within 2%."""
+    their fuller pieces on the same ranks every time (two lanes, [Note: lanes]:
+    the 2048 ranks holding rows of w_down, 2.7% over the share at 4096 ranks);
+    with them, those ranks alternate from block to block and the sums stay
+    within 2%."""
     W = 4096
     _, carried = _model(4096, 32, W)
     _, alone = _model(4096, 32, W, carry=False)
     total = sum(carried)
     assert total == sum(alone)
     assert max(carried) <= 1.02 * total / W
-    assert max(alone) > 1.05 * total / W
+    assert max(alone) > 1.02 * total / W
 
 
 @pytest.mark.fast
@@ -360,11 +374,14 @@ def test_plans_a_70b_block_at_4096_ranks_quickly():
     multiple of their rows, past the padding limit); the uneven pieces cost
     a binary search for the largest piece (each step a greedy pass of at most
     W cuts) and one pass per rotation tried, each cut one binary search over
-    the parameters: O(W·(log(row) + rotations)) searches."""
+    the parameters: O(W·(log(row) + rotations)) searches. Here one lane pads
+    past 1/33 and two lanes are searched ([Note: lanes]): a binary search for
+    the largest piece per number of coarse rows a rank may take, each only
+    below the best so far, each step a greedy pass over both lanes."""
     W = 4096
     with mock.patch.object(_layout, "_fill", wraps=_layout._fill) as fill, \
             mock.patch.object(bisect, "bisect_right", wraps=bisect.bisect_right) as search:
         lay = plan(_llama_block(8192), W, 4, before=list(range(W)))
     assert fill.call_count == 0, fill.call_count
-    assert search.call_count <= 40 * W, search.call_count / W
-    assert not lay.even
+    assert search.call_count <= 80 * W, search.call_count / W
+    assert lay.lanes

@@ -371,6 +371,33 @@ def padded_pieces(shard):
     return f
 
 
+def two_lanes(shard):
+    """``uneven_pieces`` in two lanes wherever they are better at all
+    ([Note: lanes] in fsdp_compose/_plan/_layout.py: what a group whose rows
+    are coarse against the share gets over thousands of ranks): every rank's
+    shard is a piece of each lane, two ranges of the flat, so the padded
+    collectives run (on gloo too), with real data."""
+    def f(m, impl):
+        if not impl.flat:
+            return shard(m, impl)
+        from fsdp_compose._plan import _layout
+        saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
+        _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
+        try:
+            out = uneven_pieces(shard)(m, impl)
+        finally:
+            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
+        if dist.get_world_size() > 1:
+            from fsdp_compose._base._registry import unit_of
+            units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
+            groups = [g for u in units.values() for g in u.groups]
+            assert any(g.layout.lanes for g in groups)
+            assert all(g.padded() for g in groups if g.layout.lanes)
+        return out
+
+    return f
+
+
 class Twice(nn.Module):
     def __init__(self, din=6, d=16, dout=3):
         super().__init__()
@@ -587,6 +614,12 @@ SCENARIOS: Dict[str, Scenario] = {
                                                regression_data(6, 2), mse_loss),
     "padded_pieces_frozen_and_half_frozen": Scenario(FrozenNet, padded_pieces(shard_frozen),
                                                      adamw, regression_data(6, 3), mse_loss),
+    "two_lanes_mlp_nested_adamw_reshard": Scenario(MLP, two_lanes(shard_mlp(True)), adamw,
+                                                   regression_data(8, 4), mse_loss),
+    "two_lanes_mixed_dtype_unit": Scenario(MixedNet, two_lanes(shard_mixed), sgd,
+                                           regression_data(6, 2), mse_loss),
+    "two_lanes_frozen_and_half_frozen": Scenario(FrozenNet, two_lanes(shard_frozen),
+                                                 adamw, regression_data(6, 3), mse_loss),
     "unit_output_used_on_rank0_only_reshard": Scenario(SideNet, shard_side(True), sgd,
                                                        regression_data(6, 3), rank0_only_loss,
                                                        per_rank_ref=True),

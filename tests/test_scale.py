@@ -76,7 +76,7 @@ class _Emulated:
          dist.all_gather, dist.reduce_scatter) = self._saved
 
 
-def _step(world: int, rank: int, cfg) -> dict:
+def _step(world: int, rank: int, cfg, lanes: bool = False) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_compose._group._grad_path import GradientPath
@@ -96,6 +96,8 @@ def _step(world: int, rank: int, cfg) -> dict:
             groups = [g for u in units for g in u.groups]
             assert any(g.padded() for g in groups) and all(not g.layout.even for g in groups
                                                            if g.world > 1)
+            if lanes:
+                assert any(g.layout.lanes for g in groups)
             _measure.train_step(model, optim, inputs)
             reset_comm_stats()
             emu.calls.clear()
@@ -147,6 +149,31 @@ def test_one_step_at_scale_issues_the_planners_collectives(world):
         assert kinds.count("all_gather") == c.all_gather_calls
         assert kinds.count("reduce_scatter") == c.reduce_scatter_calls
         assert row["nccl_ops"] == row["collective_calls"]
+        assert got["checked"] > 0
+
+
+@pytest.mark.fast
+def test_one_step_in_two_lanes():
+    """At dim 256 over 256 ranks the blocks' rows (256 and 704 elements
+    against a share of 3138) pad one lane by 6%: the blocks take two lanes
+    ([Note: lanes] in fsdp_compose/_plan/_layout.py), each rank's shard two
+    ranges of the flat. The step issues the planner's collectives, every one
+    the equal-size one, and every gradient shard holds the flat gradient's
+    rows at the rank's true offsets."""
+    import dataclasses
+
+    from tools.plan import plan_world
+    cfg = dataclasses.replace(_config(), layers=1, dim=256, vocab=1024)
+    world = 256
+    row = plan_world(cfg, world).row
+    for rank in sorted({0, row["most_loaded_rank"], world - 1}):
+        got = _step(world, rank, cfg, lanes=True)
+        c = got["comm"]
+        for k in ("all_gather_calls", "reduce_scatter_calls", "all_gather_bytes",
+                  "reduce_scatter_bytes"):
+            assert getattr(c, k) == row[k], (rank, k, getattr(c, k), row[k])
+        for kind, n_in, n_out in got["calls"]:
+            assert (n_out == world * n_in) if kind == "all_gather" else (n_in == world * n_out)
         assert got["checked"] > 0
 
 

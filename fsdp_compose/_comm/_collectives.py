@@ -143,23 +143,59 @@ _INDEX: dict = {}
 _INDEX_KEPT = 64  # distinct (layout, bucket position, device): a few per model
 
 
+def segments_of(bounds: tuple) -> tuple:
+    """Every rank's ranges of the flat, in its shard's order: ``bounds`` is
+    W + 1 boundaries (one range per rank) or already that (two lanes:
+    ``Layout.gather_spec``)."""
+    if bounds and isinstance(bounds[0], tuple):
+        return bounds
+    return tuple(((a, b),) for a, b in zip(bounds, bounds[1:]))
+
+
+def piece_numel(bounds: tuple, rank: int) -> int:
+    """Elements of ``rank``'s piece (see ``segments_of``)."""
+    if bounds and isinstance(bounds[0], tuple):
+        return sum(b - a for a, b in bounds[rank])
+    return bounds[rank + 1] - bounds[rank]
+
+
+def flat_end(bounds: tuple) -> int:
+    """Where the last piece ends in the flat (the tail after it is never gathered)."""
+    if bounds and isinstance(bounds[0], tuple):
+        return max(b for segs in bounds for _, b in segs)
+    return bounds[-1]
+
+
 def _staging_index(bounds: tuple, slot: int, row: int, at: int, device: torch.device):
     """(U, flat blocks' staging blocks, the staging's padding blocks) for
-    pieces ``bounds`` padded to ``slot`` in rows of ``row`` elements starting
-    at column ``at`` (see the Note), as int64 tensors on ``device``, blocks
-    of ``U`` elements; made once per key."""
+    pieces ``bounds`` (see ``segments_of``) padded to ``slot`` in rows of
+    ``row`` elements starting at column ``at`` (see the Note), as int64
+    tensors on ``device``, blocks of ``U`` elements; made once per key."""
     key = (bounds, slot, row, at, device)
     got = _INDEX.get(key)
     if got is None:
-        W = len(bounds) - 1
-        unit = math.gcd(slot, row, at, *bounds)
-        b = torch.tensor(bounds, dtype=torch.int64)
-        n = (b[1:] - b[:-1]) // unit                       # (W,) blocks of each piece
+        segs = segments_of(bounds)
+        W = len(segs)
+        edges = [x for rank in segs for seg in rank for x in seg]
+        unit = math.gcd(slot, row, at, *edges)
+        # each segment: (flat start, staging start, length) in blocks
+        parts, used = [], []
+        for r, rank in enumerate(segs):
+            col = r * row + at
+            for lo, hi in rank:
+                if hi > lo:
+                    parts.append((lo // unit, col // unit, (hi - lo) // unit))
+                col += hi - lo
+            used.append(col - r * row - at)
+        parts.sort()  # (flat order: the segments tile the flat up to the last one's end)
+        stage_at = torch.tensor([p[1] for p in parts], dtype=torch.int64)
+        n = torch.tensor([p[2] for p in parts], dtype=torch.int64)
+        before = torch.cumsum(n, 0) - n                     # flat blocks of earlier segments
+        src = torch.repeat_interleave(stage_at - before, n) + torch.arange(int(n.sum()))
+        u = torch.tensor(used, dtype=torch.int64) // unit   # (W,) blocks used per row
         first = (torch.arange(W) * row + at) // unit        # (W,) each row's first block
-        before = torch.cumsum(n, 0) - n                     # flat blocks of earlier pieces
-        src = torch.repeat_interleave(first - before, n) + torch.arange(int(n.sum()))
-        m = slot // unit - n                                # (W,) padding blocks per row
-        pad = (torch.repeat_interleave(first + n - (torch.cumsum(m, 0) - m), m)
+        m = slot // unit - u                                # (W,) padding blocks per row
+        pad = (torch.repeat_interleave(first + u - (torch.cumsum(m, 0) - m), m)
                + torch.arange(int(m.sum())))
         got = _INDEX[key] = (unit, src.to(device), pad.to(device))
         if len(_INDEX) > _INDEX_KEPT:
@@ -174,7 +210,8 @@ def staging_slot(bounds: tuple) -> int:
     """The padded piece: the largest (a pass over W pieces, made once per layout)."""
     slot = _SLOTS.get(bounds)
     if slot is None:
-        slot = _SLOTS[bounds] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        W = len(segments_of(bounds))
+        slot = _SLOTS[bounds] = max(piece_numel(bounds, r) for r in range(W))
         if len(_SLOTS) > _INDEX_KEPT:
             _SLOTS.pop(next(iter(_SLOTS)))
     return slot
@@ -187,7 +224,7 @@ def pack(staging: torch.Tensor, flat: torch.Tensor, bounds: tuple, slot: int,
     row = slot if row is None else row
     unit, src, pad = _staging_index(bounds, slot, row, at, flat.device)
     blocks = staging.view(-1, unit)
-    blocks.index_copy_(0, src, flat[:bounds[-1]].view(-1, unit))
+    blocks.index_copy_(0, src, flat[:flat_end(bounds)].view(-1, unit))
     if pad.numel():
         blocks.index_fill_(0, pad, 0)
 
@@ -197,7 +234,8 @@ def unpack(flat: torch.Tensor, staging: torch.Tensor, bounds: tuple, slot: int,
     """The inverse of ``pack``: every rank's row of ``staging`` into its piece of ``flat``."""
     row = slot if row is None else row
     unit, src, _ = _staging_index(bounds, slot, row, at, flat.device)
-    torch.index_select(staging.view(-1, unit), 0, src, out=flat[:bounds[-1]].view(-1, unit))
+    torch.index_select(staging.view(-1, unit), 0, src,
+                       out=flat[:flat_end(bounds)].view(-1, unit))
 
 
 class _Then:
@@ -217,10 +255,10 @@ class _Then:
 
 
 def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, slot: int, at):
-    W, r = len(bounds) - 1, dist.get_rank(group)
+    W, r = len(segments_of(bounds)), dist.get_rank(group)
     staging = output.new_empty(W * slot)
     mine = staging[r * slot:(r + 1) * slot]
-    n = bounds[r + 1] - bounds[r]
+    n = piece_numel(bounds, r)
     mine[:n].copy_(shard)
     mine[n:].zero_()
     work = _all_gather_tensor(staging, mine, group=group, async_op=async_op)
@@ -235,11 +273,11 @@ def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, slot
 
 def _padded_reduce_scatter(flat_grad, group, op, out, async_op: bool, bounds: tuple, slot: int,
                            at):
-    W, r = len(bounds) - 1, dist.get_rank(group)
+    W, r = len(segments_of(bounds)), dist.get_rank(group)
     staging = flat_grad.new_empty(W * slot)
     pack(staging, flat_grad, bounds, slot)
     res = flat_grad.new_empty(slot)
-    n = bounds[r + 1] - bounds[r]
+    n = piece_numel(bounds, r)
     work = _reduce_scatter_tensor(res, staging, op=op, group=group, async_op=async_op)
 
     def finish():
@@ -267,7 +305,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     at = _divergence.next_op(group)
     if padded and bounds is not None:
         slot = staging_slot(bounds)
-        _stats().all_gather_bytes += (len(bounds) - 1) * slot * output.element_size()
+        _stats().all_gather_bytes += len(segments_of(bounds)) * slot * output.element_size()
         return _padded_all_gather(output, shard, group, async_op, bounds, slot, at)
     _stats().all_gather_bytes += _nbytes(output)
     gloo = _gloo.in_place(output, group) if bounds is None else _gloo.uneven(group, output)
@@ -295,7 +333,8 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     at = _divergence.next_op(group)
     if padded and bounds is not None:
         slot = staging_slot(bounds)
-        _stats().reduce_scatter_bytes += (len(bounds) - 1) * slot * flat_grad.element_size()
+        _stats().reduce_scatter_bytes += (len(segments_of(bounds)) * slot
+                                          * flat_grad.element_size())
         return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, slot, at)
     _stats().reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = (_gloo.in_place(flat_grad, group) if bounds is None

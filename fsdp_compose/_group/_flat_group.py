@@ -187,12 +187,14 @@ class FlatGroup:
                 loads[r] += layout.shard_numel(r) * held
         self.padded_numel = layout.numel
         self.shard_numel = layout.shard_numel(rank)
-        # this rank's range of the flat; every rank's (uneven pieces) or None (equal chunks)
-        self.flat_range = layout.rank_range(rank)
-        self.gather_bounds = None if layout.even else layout.bounds
+        # this rank's range of the flat (None: two lanes, [Note: lanes] in _layout.py);
+        # every rank's (uneven pieces, see Layout.gather_spec) or None (equal chunks)
+        self.flat_range = layout.rank_range(rank) if layout.contiguous else None
+        self.gather_bounds = layout.gather_spec()
         # uneven pieces through one padded equal-size collective (decided by the
-        # backend once: [Note: padded collectives] in _collectives.py)
-        self._pads = world > 1 and _collectives.pads(pg, device)
+        # backend once: [Note: padded collectives] in _collectives.py; always
+        # for two lanes, whose pieces are not ranges of the flat)
+        self._pads = world > 1 and (_collectives.pads(pg, device) or not layout.contiguous)
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank, mesh)
         self._split_sizes, self._view_at = layout.split_plan()
         self.spec = replace(self.spec, mode=self._decide_mode())
@@ -466,7 +468,8 @@ class FlatGroup:
         self._alloc_flat()
         src = self.shard
         if self._copies_in:  # cast / host-to-device in one pass, into our own chunk
-            src = self.flat_data[slice(*self.flat_range)]
+            src = (self.flat_data[slice(*self.flat_range)] if self.flat_range is not None
+                   else self.flat_data.new_empty(self.shard_numel))  # (two lanes: staged anyway)
             streams.copy_in(src, self.shard, from_host=self.offload)
         if self.mode is FlatMode.COPIED:  # (the copy is the whole flat)
             self.state = ShardedState.UNSHARDED

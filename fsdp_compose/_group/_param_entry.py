@@ -293,14 +293,13 @@ def make_entries(params: list, locals_: list, layout: Layout, rank: int,
     or any under ``DTENSORS_AT_ONE``), sharded Parameters that have a
     dimension become RowParam DTensors on it (a TP parameter on it joined
     with its TP mesh)."""
-    base = layout.rank_range(rank)[0]
     rows_as_dtensors = (mesh is not None and mesh.ndim in (1, 2)
                         and (layout.world > 1 or DTENSORS_AT_ONE.get()))
     entries = []
     for i, ((p, slots, fqn), local) in enumerate(zip(params, locals_)):
         a, b = layout.rows_on(i, rank)
         k, off = layout.slots[i].row_numel, layout.offsets[i]
-        start = off + a * k - base  # in the shard
+        start = layout.shard_start(i, rank)  # in the shard
         tp = (TPSpec(p.device_mesh, tuple(p.placements), p.shape, p.stride())
               if isinstance(p, DTensor) else None)
         # (a DTensor that TP does not replicate is never whole here: its piece

@@ -19,6 +19,21 @@ a multiple of the alignment in its rank's shard.
   multiple of ``W·align``, the tail never gathered; the collectives pad every
   piece to the largest, ``chunk``: [Note: padded collectives] in _collectives.py).
 - *tensor granularity* (opt-in): each parameter lies whole in one rank's chunk.
+
+[Note: lanes]
+From ``LANES_FROM`` ranks on, a group whose one-lane largest piece is past
+the share by more than 1/``LANES_OVER`` (rows of many elements against a
+share of a few rows: the 6.6B Llama block's ``w_down``, rows of 10944
+elements against a share of 49.2K at 4096 ranks, 8.1% over) may take two
+*lanes* (``_two_lanes``): the parameters with the coarsest rows first in the
+flat (lane A), the others after them (lane B), each lane cut in rank order
+as one lane is (``Layout.lanes``: each lane's bounds). Every rank's shard is
+its piece of A then its piece of B, two ranges of the flat
+(``Layout.segments``), so a rank short of the share in A takes rows of B
+(2.7% over the share there). Every parameter's rows still lie on ranks in
+rank order, one block each (its DTensor split, ``RowShard``); the flat is
+the parameters in lane order; the collectives are the padded ones on every
+backend (the staging's copies place the segments, gloo included).
 """
 from __future__ import annotations
 
@@ -74,42 +89,88 @@ class Layout:
     slots: tuple[Slot, ...]
     bounds: tuple[int, ...]         # W + 1: rank r holds [bounds[r], bounds[r+1]) of the flat
     numel: int                      # elements of the unsharded flat (W·S with equal chunks)
+    # Two lanes ([Note: lanes]): each lane's W + 1 bounds (``bounds`` is then
+    # the first lane's); empty: one range per rank, ``bounds``
+    lanes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def even(self) -> bool:
         """Equal chunks: ``bounds[r] == r·chunk`` and ``numel == W·chunk`` (one
         equal-size collective); else uneven pieces (see [Note: shard layout])."""
-        return self.numel == self.world * self.chunk and self.bounds[-1] == self.numel
+        return (not self.lanes and self.numel == self.world * self.chunk
+                and self.bounds[-1] == self.numel)
+
+    @property
+    def contiguous(self) -> bool:
+        """Every rank's shard is one range of the flat (``rank_range``)."""
+        return not self.lanes
 
     def rank_range(self, rank: int) -> tuple[int, int]:
-        """``rank``'s shard as a range of the unsharded flat."""
+        """``rank``'s shard as a range of the unsharded flat (a contiguous layout)."""
+        if self.lanes:
+            raise ValueError("a layout of lanes has no single range per rank")
         return self.bounds[rank], self.bounds[rank + 1]
+
+    def segments(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """``rank``'s shard as ranges of the flat, in the order they lie in it."""
+        return tuple((b[rank], b[rank + 1]) for b in (self.lanes or (self.bounds,)))
+
+    def gather_spec(self) -> tuple | None:
+        """What the collectives need of an uneven layout (None: equal chunks):
+        the bounds (one range per rank), or every rank's segments (lanes)."""
+        if self.even:
+            return None
+        if not self.lanes:
+            return self.bounds
+        return tuple(self.segments(r) for r in range(self.world))
 
     def shard_numel(self, rank: int) -> int:
         """Elements of ``rank``'s shard (its range, alignment gaps included)."""
-        return self.bounds[rank + 1] - self.bounds[rank]
+        return sum(b[rank + 1] - b[rank] for b in (self.lanes or (self.bounds,)))
+
+    def _lane_of(self, entry: int) -> tuple[int, ...]:
+        """The bounds of the lane parameter ``entry`` lies in (the lanes tile the flat)."""
+        if not self.lanes:
+            return self.bounds
+        off = self.offsets[entry]
+        for b in reversed(self.lanes):
+            if off >= b[0]:
+                return b
+        return self.lanes[0]
+
+    def shard_start(self, entry: int, rank: int) -> int:
+        """Where parameter ``entry``'s first row held by ``rank`` lies in its
+        shard (meaningful where it holds some: ``rows_on``)."""
+        a, _ = self.rows_on(entry, rank)
+        at = self.offsets[entry] + a * self.slots[entry].row_numel
+        lane, before = self._lane_of(entry), 0
+        for b in (self.lanes or (self.bounds,)):
+            if b is lane:
+                break
+            before += b[rank + 1] - b[rank]
+        return before + at - lane[rank]
+
+    def rows_on(self, entry: int, rank: int) -> tuple[int, int]:
+        """The rows of parameter ``entry`` that ``rank`` holds; ``(0, 0)`` if none."""
+        s, off, bounds = self.slots[entry], self.offsets[entry], self._lane_of(entry)
+        lo, hi = max(off, bounds[rank]), min(off + s.numel, bounds[rank + 1])
+        if lo >= hi:
+            return (0, 0)
+        return ((lo - off) // s.row_numel, (hi - off) // s.row_numel)
 
     @property
     def padding(self) -> int:
         """Elements of the unsharded flat that are not parameters."""
         return self.numel - sum(s.numel for s in self.slots)
 
-    def rows_on(self, entry: int, rank: int) -> tuple[int, int]:
-        """The rows of parameter ``entry`` that ``rank`` holds; ``(0, 0)`` if none."""
-        s, off = self.slots[entry], self.offsets[entry]
-        lo, hi = max(off, self.bounds[rank]), min(off + s.numel, self.bounds[rank + 1])
-        if lo >= hi:
-            return (0, 0)
-        return ((lo - off) // s.row_numel, (hi - off) // s.row_numel)
-
     def ranks_of(self, entry: int) -> list[tuple[int, int, int]]:
         """``[(rank, first row, end row)]`` of every rank holding rows of parameter
         ``entry``, in rank order (the same on every rank: a function of the layout)."""
-        s, off = self.slots[entry], self.offsets[entry]
+        s, off, bounds = self.slots[entry], self.offsets[entry], self._lane_of(entry)
         out, at, end = [], off, off + s.numel
         while at < end:
-            r = bisect.bisect_right(self.bounds, at) - 1  # (skips ranks holding nothing)
-            stop = min(end, self.bounds[r + 1])
+            r = bisect.bisect_right(bounds, at) - 1  # (skips ranks holding nothing)
+            stop = min(end, bounds[r + 1])
             out.append((r, (at - off) // s.row_numel, (stop - off) // s.row_numel))
             at = stop
         return out
@@ -126,9 +187,8 @@ class Layout:
         for i in self._order:
             a, b = self.rows_on(i, rank)
             if b > a:
-                start = self.offsets[i] + a * self.slots[i].row_numel
-                out.append(Piece(i, (a, b), start - self.bounds[rank]))
-        return out
+                out.append(Piece(i, (a, b), self.shard_start(i, rank)))
+        return sorted(out, key=lambda p: p.offset)
 
     @functools.cached_property
     def _rank_numel(self) -> tuple[int, ...]:
@@ -354,20 +414,23 @@ class _Cuts:
                 lo = mid + 1
         return lo
 
-    def bounds(self, limit: int, world: int, loads: Sequence[int]) -> list[int]:
+    def bounds(self, limit: int, world: int, loads: Sequence[int],
+               held: Sequence[int] | None = None) -> list[int]:
         """Every rank's boundary (see ``_uneven``): nearest its target, within
-        what keeps each piece, this one and those after it, within ``limit``."""
+        what keeps each piece, this one and those after it, within ``limit``
+        (less what rank r holds already in this group, ``held[r]``: two lanes)."""
+        room = [limit - (held[r] if held is not None else 0) for r in range(world)]
         least = [0] * (world + 1)  # the smallest boundary from which the rest still fits
         least[world] = self.end
         for r in range(world - 1, 0, -1):
-            least[r] = self.ceil(least[r + 1] - limit)
+            least[r] = self.ceil(least[r + 1] - room[r])
         prefix = [0]
-        for b in loads:
-            prefix.append(prefix[-1] + b)
+        for r, b in enumerate(loads):
+            prefix.append(prefix[-1] + b + (held[r] if held is not None else 0))
         grand = prefix[-1] + self.end
         bounds = [0]
         for r in range(1, world):
-            low, high = max(least[r], bounds[-1]), self.floor(bounds[-1] + limit)
+            low, high = max(least[r], bounds[-1]), self.floor(bounds[-1] + room[r - 1])
             t = min(max(r * grand // world - prefix[r], low), high)
             down, up = self.floor(t), self.ceil(t)
             down = down if down >= low else low
@@ -393,6 +456,10 @@ def _uneven(slots: tuple[Slot, ...], world: int, align: int,
     shorter than ``S``, onto other ranks from one group to the next."""
     cuts = _Cuts(slots, list(range(len(slots))), align)
     limit = cuts.smallest_limit(world)
+    if world >= LANES_FROM and limit * LANES_OVER > (cuts.end // world) * (LANES_OVER + 1):
+        lanes = _two_lanes(slots, world, align, limit, before)
+        if lanes is not None:
+            return lanes
     loads = list(before) if before is not None else [0] * world
     best = None
     n = len(slots)
@@ -413,6 +480,110 @@ def _uneven(slots: tuple[Slot, ...], world: int, align: int,
     chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
     numel = max(_ceil_to(c.end, world * align), world * align)
     return Layout("row", world, chunk, tuple(c.offsets), slots, tuple(bounds), numel)
+
+
+# Two lanes are tried from LANES_FROM ranks on (where the coarse rows matter:
+# a share of a few rows), where one lane's largest piece is over the even
+# share by more than 1/LANES_OVER, and kept where their largest piece is
+# smaller by more than 1/LANES_BETTER of the share. (Tests lower LANES_FROM.)
+LANES_FROM = 64
+LANES_OVER = 33
+LANES_BETTER = 100
+
+
+def _two_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int,
+               before: Sequence[int] | None) -> Layout | None:
+    """[Note: lanes] Whole rows of a coarse parameter (rows of many elements
+    against the share) leave the pieces inside it short of the share and every
+    other piece over it. Two lanes: the parameters with the coarsest rows
+    (lane A, first in the flat) and the rest (lane B), each cut at row
+    boundaries in rank order, as one lane is; every rank holds a piece of
+    each, A's then B's in its shard, so a rank short of the share in A takes
+    rows of B. Greedy (``_fill_lanes``): rank by rank, at most ``alpha``
+    elements of A, then as much of B as the largest piece ``L`` allows; ``L``
+    by binary search for each ``alpha`` (a multiple of A's row, up to
+    ``chunk``), the smallest kept (``_search_lanes``). The ranks holding A's
+    pieces (the fuller ones) start where ``before`` (the earlier groups'
+    loads) is least. None: no split into two lanes, or none better than
+    ``chunk`` (one lane's largest piece) by more than 1/LANES_BETTER of the share."""
+    found = _search_lanes(slots, world, align, chunk)
+    if found is None:
+        return None
+    lane_a, a, b, limit, alpha = found
+    ba, bb = _fill_lanes(a, b, world, limit, alpha)  # type: ignore[misc]
+    loads = list(before) if before is not None else [0] * world
+    if any(loads):
+        m = sum(1 for r in range(world) if ba[r + 1] > ba[r])  # ranks holding A
+        window = sum(loads[:m])
+        first, least = 0, window
+        for k in range(1, world - m + 1):
+            window += loads[k + m - 1] - loads[k - 1]
+            if window < least:
+                first, least = k, window
+        moved = _fill_lanes(a, b, world, limit, alpha, first) if first else None
+        if moved is not None:
+            ba, bb = moved
+    # B's bounds again, each nearest its target (the loads evened out), as one lane's
+    held = [ba[r + 1] - ba[r] for r in range(world)]
+    even = b.bounds(limit, world, loads, held)
+    if all(y - x <= limit - h for x, y, h in zip(even, even[1:], held)):
+        bb = even
+    start_b = _ceil_to(a.end, align)
+    # (A's last piece takes the alignment gap before B; the ranks after it hold none)
+    ba = [start_b if x >= a.end else x for x in ba]
+    lane_a_bounds = tuple(ba)
+    lane_b_bounds = tuple(start_b + x for x in bb)
+    offsets = [a.offsets[i] if i in lane_a else start_b + b.offsets[i] for i in range(len(slots))]
+    pieces = [lane_a_bounds[r + 1] - lane_a_bounds[r] + lane_b_bounds[r + 1] - lane_b_bounds[r]
+              for r in range(world)]
+    numel = max(_ceil_to(start_b + b.end, world * align), world * align)
+    return Layout("row", world, max(pieces), tuple(offsets), slots, lane_a_bounds, numel,
+                  lanes=(lane_a_bounds, lane_b_bounds))
+
+
+@functools.lru_cache(maxsize=16)  # (a model's identical blocks: one search)
+def _search_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int):
+    """(lane A's indices, A's cuts, B's cuts, L, alpha) of ``_two_lanes``, or None."""
+    steps = {i: math.lcm(s.row_numel, align) for i, s in enumerate(slots) if s.numel}
+    coarse = max(steps.values(), default=0)
+    lane_a = [i for i in steps if steps[i] == coarse]
+    lane_b = [i for i in range(len(slots)) if i not in lane_a]
+    if not lane_a or not any(slots[i].numel for i in lane_b):
+        return None
+    a, b = _Cuts(slots, lane_a, align), _Cuts(slots, lane_b, align)
+    share = -(-(_ceil_to(a.end, align) + b.end) // world)
+    best = None
+    for alpha in range(a.max_step, chunk + 1, a.max_step):
+        # (only a better L than the best so far is searched for)
+        lo, hi = share, chunk if best is None else best[0] - 1
+        if hi < lo or _fill_lanes(a, b, world, hi, alpha) is None:
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _fill_lanes(a, b, world, mid, alpha) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        if best is None or lo < best[0]:
+            best = (lo, alpha)
+    if best is None or (chunk - best[0]) * LANES_BETTER <= share:
+        return None
+    return lane_a, a, b, best[0], best[1]
+
+
+def _fill_lanes(a: _Cuts, b: _Cuts, world: int, limit: int, alpha: int,
+                first: int = 0) -> tuple[list[int], list[int]] | None:
+    """Both lanes' bounds (each from 0 in its lane): rank by rank from rank
+    0, at most ``alpha`` elements of A (none before rank ``first``), then B up
+    to ``limit`` in all; None where they do not cover both lanes."""
+    ba, bb = [0], [0]
+    for r in range(world):
+        at_a, at_b = ba[-1], bb[-1]
+        na = at_a if at_a >= a.end or r < first else a.floor(at_a + min(alpha, limit))
+        nb = at_b if at_b >= b.end else max(at_b, b.floor(at_b + limit - (na - at_a)))
+        ba.append(na)
+        bb.append(nb)
+    return (ba, bb) if ba[-1] >= a.end and bb[-1] >= b.end else None
 
 
 def _tensor_layout(slots: tuple[Slot, ...], world: int, align: int) -> tuple[int, list[int]]:
