@@ -338,10 +338,12 @@ def _state_differences(got: dict, want: dict) -> list[str]:
     return bad
 
 
-def _uneven_round_trip(rank, world, root):
+def _uneven_round_trip(rank, world, root, lanes=False):
     """Ours with every row layout forced to uneven pieces (what groups get at
-    hundreds of ranks): a DCP save through torch's get_state_dict loads
-    bit-exactly in ours (uneven again) and in FSDP2, and resumes."""
+    hundreds of ranks; ``lanes``: in two lanes wherever they are better at
+    all, [Note: lanes] in _layout.py, what coarse rows get at thousands): a
+    DCP save through torch's get_state_dict loads bit-exactly in ours
+    (uneven again) and in FSDP2, and resumes."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dsd
 
@@ -351,12 +353,17 @@ def _uneven_round_trip(rank, world, root):
     def ours(seed):
         torch.manual_seed(seed)
         _layout.FORCE_EVEN = False
+        saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
+        if lanes:
+            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
         try:
             m = shard_ours(Net())
         finally:
             _layout.FORCE_EVEN = None
+            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
         units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
         assert not all(g.layout.even for u in units.values() for g in u.groups)
+        assert any(g.layout.lanes for u in units.values() for g in u.groups) == lanes
         return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
     model, opt = ours(0)
@@ -395,9 +402,10 @@ def _uneven_round_trip(rank, world, root):
 RESUME_LOSS_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_uneven_pieces_checkpoint_round_trip(world, tmp_path):
-    for r in run_distributed(_uneven_round_trip, world, str(tmp_path / "ckpt"), timeout=TIMEOUT):
+@pytest.mark.parametrize("world,lanes", [(3, False), (4, False), (3, True)])
+def test_uneven_pieces_checkpoint_round_trip(world, lanes, tmp_path):
+    for r in run_distributed(_uneven_round_trip, world, str(tmp_path / "ckpt"), lanes,
+                             timeout=TIMEOUT):
         # the loaded state is the saved one, bit for bit
         assert r["ours_state"] == [] and r["fsdp2_state"] == []
         # ours: the same layout, so the same reductions in the same order: bitwise
