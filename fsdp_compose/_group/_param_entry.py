@@ -169,10 +169,13 @@ class ParamEntry:
             return
         w = self._wrap_grad(rows)
         _GRAD.__set__(p, w)
-        if type(rows) is torch.Tensor and rows.dtype == p.dtype:
-            p._local_tensor.grad = rows  # (RowParam.grad's mirror: _row_dtensor.mirror_grad)
-        else:
-            mirror_grad(p, w)
+        try:  # (RowParam.grad's mirror, inline: _row_dtensor.mirror_grad)
+            if type(rows) is torch.Tensor and rows.dtype == p.dtype:
+                p._local_tensor.grad = rows
+                return
+        except RuntimeError:
+            pass
+        mirror_grad(p, w)
 
     def _wrap_grad(self, rows: torch.Tensor) -> RowParam:
         """``rows`` as a RowParam gradient. The wrapper given last time is

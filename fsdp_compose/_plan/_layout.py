@@ -78,6 +78,18 @@ class Piece:
     offset: int               # where they start in the rank's shard
 
 
+class Segments(tuple):
+    """Every rank's ranges of the flat (two lanes), hashed once: the
+    collectives look their index up by it at every call (a tuple of 4096
+    ranks' segments takes ~0.45 ms to hash)."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = tuple.__hash__(self)
+        return h
+
+
 @dataclass(frozen=True)
 class Layout:
     """The result: every rank's range of the flat and where every parameter starts in it."""
@@ -122,7 +134,11 @@ class Layout:
             return None
         if not self.lanes:
             return self.bounds
-        return tuple(self.segments(r) for r in range(self.world))
+        return self._segments
+
+    @functools.cached_property
+    def _segments(self) -> "Segments":
+        return Segments(self.segments(r) for r in range(self.world))
 
     def shard_numel(self, rank: int) -> int:
         """Elements of ``rank``'s shard (its range, alignment gaps included)."""
