@@ -526,6 +526,9 @@ def _two_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int,
     if found is None:
         return None
     lane_a, a, b, limit, alpha = found
+    share = -(-(_ceil_to(a.end, align) + b.end) // world)
+    if (chunk - limit) * LANES_BETTER <= share:
+        return None
     ba, bb = _fill_lanes(a, b, world, limit, alpha)  # type: ignore[misc]
     loads = list(before) if before is not None else [0] * world
     if any(loads):
@@ -559,7 +562,9 @@ def _two_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int,
 
 @functools.lru_cache(maxsize=16)  # (a model's identical blocks: one search)
 def _search_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int):
-    """(lane A's indices, A's cuts, B's cuts, L, alpha) of ``_two_lanes``, or None."""
+    """(lane A's indices, A's cuts, B's cuts, L, alpha) of ``_two_lanes``, or
+    None (one lane or none better than ``chunk``); a function of its arguments
+    only (cached: the thresholds are ``_two_lanes``'s)."""
     steps = {i: math.lcm(s.row_numel, align) for i, s in enumerate(slots) if s.numel}
     coarse = max(steps.values(), default=0)
     lane_a = [i for i in steps if steps[i] == coarse]
@@ -582,7 +587,7 @@ def _search_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int):
                 lo = mid + 1
         if best is None or lo < best[0]:
             best = (lo, alpha)
-    if best is None or (chunk - best[0]) * LANES_BETTER <= share:
+    if best is None:
         return None
     return lane_a, a, b, best[0], best[1]
 
