@@ -161,6 +161,20 @@ def shard(model: nn.Module, *, root: Optional[dict] = None, **kw) -> nn.Module:
     return fully_shard(model, **(kw if root is None else root))
 
 
+@contextlib.contextmanager
+def two_lanes_forced():
+    """Row layouts planned inside take two lanes wherever they are better at
+    all ([Note: lanes] in fsdp_compose/_plan/_layout.py; at any world size, for
+    any gain), as coarse rows do over thousands of ranks."""
+    from fsdp_compose._plan import _layout
+    saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
+    _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
+    try:
+        yield
+    finally:
+        _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
+
+
 def per_unit_collectives(model):
     """Buckets off: one all-gather / reduce-scatter per unit (tests that assert
     per-unit counts or schedules; buckets are tested on their own)."""

@@ -7,6 +7,7 @@ state dict taken on the meta device and loaded with ``assign=True``
 FSDP2's, and the refusal of FSDP2's all-gather extension."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -21,7 +22,7 @@ from fsdp_compose import fully_shard
 
 from ._checkpoint_net import V, Net, batch, shard_fsdp2, shard_ours, train
 from ._dist import run_distributed
-from ._support import OnFirstUse, OptimizerContainer, rows
+from ._support import OnFirstUse, OptimizerContainer, rows, two_lanes_forced
 
 TIMEOUT = 120
 
@@ -353,14 +354,11 @@ def _uneven_round_trip(rank, world, root, lanes=False):
     def ours(seed):
         torch.manual_seed(seed)
         _layout.FORCE_EVEN = False
-        saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
-        if lanes:
-            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
         try:
-            m = shard_ours(Net())
+            with two_lanes_forced() if lanes else contextlib.nullcontext():
+                m = shard_ours(Net())
         finally:
             _layout.FORCE_EVEN = None
-            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
         units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}
         assert not all(g.layout.even for u in units.values() for g in u.groups)
         assert any(g.layout.lanes for u in units.values() for g in u.groups) == lanes

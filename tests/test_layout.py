@@ -22,7 +22,7 @@ from fsdp_compose._plan._layout import Layout, Piece, Slot, plan
 
 def _check(layout: Layout, align: int) -> None:
     slots, W, S = layout.slots, layout.world, layout.chunk
-    lanes = layout.lanes or (layout.bounds,)
+    lanes = layout.lane_bounds
     for k, bounds in enumerate(lanes):  # (two lanes tile the flat: A's end is B's start)
         assert len(bounds) == W + 1 and bounds[-1] <= layout.numel
         assert bounds[0] == (0 if k == 0 else lanes[k - 1][-1]), lanes

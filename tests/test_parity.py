@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ._dist import DistributedError, run_distributed
 from ._pieces import expected_shape
-from ._support import Scenarios, compare_with_reference, rows
+from ._support import Scenarios, compare_with_reference, rows, two_lanes_forced
 
 WORLD_SIZES = (1, 2, 4)
 GLOBAL_BATCH = 8  # divisible by every world size
@@ -380,13 +380,8 @@ def two_lanes(shard):
     def f(m, impl):
         if not impl.flat:
             return shard(m, impl)
-        from fsdp_compose._plan import _layout
-        saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
-        _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
-        try:
+        with two_lanes_forced():
             out = uneven_pieces(shard)(m, impl)
-        finally:
-            _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
         if dist.get_world_size() > 1:
             from fsdp_compose._base._registry import unit_of
             units = {id(u): u for u in map(unit_of, m.modules()) if u is not None}

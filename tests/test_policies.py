@@ -454,8 +454,6 @@ def two_lanes(rank, world):
     copy-in is not into the flat's range), HSDP, reshard_after_forward=2."""
     from fsdp_compose._base._registry import unit_of
     from fsdp_compose._plan import _layout
-    saved = _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER
-    _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = 1, 10**9, 10**9
     _layout.FORCE_EVEN = False
     lanes_seen = []
     real_shard = _shard
@@ -467,26 +465,26 @@ def two_lanes(rank, world):
         return out
     globals()["_shard"] = shard_and_look
     try:
-        runs = [("buckets", {}), ("per_unit", {"per_unit": True}),
-                ("offload", {"model_kw": {"offload_policy": CPUOffloadPolicy()}})]
-        if world == 4:
-            runs.append(("raf2", {"model_kw": {"reshard_after_forward": 2}}))
-        if world > 1:
-            def each(model, k, micro):
-                model.set_requires_all_reduce(k == micro - 1)
+        with _support.two_lanes_forced():
+            runs = [("buckets", {}), ("per_unit", {"per_unit": True}),
+                    ("offload", {"model_kw": {"offload_policy": CPUOffloadPolicy()}})]
+            if world == 4:
+                runs.append(("raf2", {"model_kw": {"reshard_after_forward": 2}}))
+            if world > 1:
+                def each(model, k, micro):
+                    model.set_requires_all_reduce(k == micro - 1)
 
-            for shape in {2: [(1, 2)], 4: [(2, 2)]}[world]:
-                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
-                runs.append((f"hsdp {shape}", {"mesh": mesh, "micro": 2, "each_micro": each}))
-        results = []
-        for tag, kw in runs:
-            problems, _ = _fp32_parity(rank, world, **kw)
-            results += [f"{tag}: {p}" for p in problems]
-        problems, _ = _fsdp2_pair(rank, world, BF16_FP32, FP32_NORM)
-        results += [f"bf16 vs FSDP2: {p}" for p in problems]
+                for shape in {2: [(1, 2)], 4: [(2, 2)]}[world]:
+                    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard"))
+                    runs.append((f"hsdp {shape}", {"mesh": mesh, "micro": 2, "each_micro": each}))
+            results = []
+            for tag, kw in runs:
+                problems, _ = _fp32_parity(rank, world, **kw)
+                results += [f"{tag}: {p}" for p in problems]
+            problems, _ = _fsdp2_pair(rank, world, BF16_FP32, FP32_NORM)
+            results += [f"bf16 vs FSDP2: {p}" for p in problems]
     finally:
         globals()["_shard"] = real_shard
-        _layout.LANES_FROM, _layout.LANES_OVER, _layout.LANES_BETTER = saved
         _layout.FORCE_EVEN = None
     # (this Net's blocks take two lanes over 2-rank shard groups: every run at
     # 2 ranks, HSDP's (2, 2) at 4, where one lane is as good over 4)

@@ -143,27 +143,35 @@ _INDEX: dict = {}
 _INDEX_KEPT = 64  # distinct (layout, bucket position, device): a few per model
 
 
+def _segmented(bounds: tuple) -> bool:
+    """``bounds`` is every rank's segments (two lanes: ``Layout.gather_spec``),
+    not W + 1 boundaries (one range per rank)."""
+    return isinstance(bounds[0], tuple)
+
+
 def segments_of(bounds: tuple) -> tuple:
-    """Every rank's ranges of the flat, in its shard's order: ``bounds`` is
-    W + 1 boundaries (one range per rank) or already that (two lanes:
-    ``Layout.gather_spec``)."""
-    if bounds and isinstance(bounds[0], tuple):
+    """Every rank's ranges of the flat, in its shard's order (see ``_segmented``)."""
+    if _segmented(bounds):
         return bounds
     return tuple(((a, b),) for a, b in zip(bounds, bounds[1:]))
 
 
+def ranks_in(bounds: tuple) -> int:
+    """The number of ranks ``bounds`` describes (see ``_segmented``)."""
+    return len(bounds) if _segmented(bounds) else len(bounds) - 1
+
+
 def piece_numel(bounds: tuple, rank: int) -> int:
-    """Elements of ``rank``'s piece (see ``segments_of``)."""
-    if bounds and isinstance(bounds[0], tuple):
+    """Elements of ``rank``'s piece (see ``_segmented``)."""
+    if _segmented(bounds):
         return sum(b - a for a, b in bounds[rank])
     return bounds[rank + 1] - bounds[rank]
 
 
 def flat_end(bounds: tuple) -> int:
-    """Where the last piece ends in the flat (the tail after it is never gathered)."""
-    if bounds and isinstance(bounds[0], tuple):
-        return max(b for segs in bounds for _, b in segs)
-    return bounds[-1]
+    """Where the last piece ends in the flat (the tail after it is never
+    gathered): the last rank's last segment (the lanes tile the flat in order)."""
+    return bounds[-1][-1][1] if _segmented(bounds) else bounds[-1]
 
 
 def _staging_index(bounds: tuple, slot: int, row: int, at: int, device: torch.device):
@@ -210,8 +218,7 @@ def staging_slot(bounds: tuple) -> int:
     """The padded piece: the largest (a pass over W pieces, made once per layout)."""
     slot = _SLOTS.get(bounds)
     if slot is None:
-        W = len(segments_of(bounds))
-        slot = _SLOTS[bounds] = max(piece_numel(bounds, r) for r in range(W))
+        slot = _SLOTS[bounds] = max(piece_numel(bounds, r) for r in range(ranks_in(bounds)))
         if len(_SLOTS) > _INDEX_KEPT:
             _SLOTS.pop(next(iter(_SLOTS)))
     return slot
@@ -255,7 +262,7 @@ class _Then:
 
 
 def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, slot: int, at):
-    W, r = len(segments_of(bounds)), dist.get_rank(group)
+    W, r = ranks_in(bounds), dist.get_rank(group)
     staging = output.new_empty(W * slot)
     mine = staging[r * slot:(r + 1) * slot]
     n = piece_numel(bounds, r)
@@ -273,7 +280,7 @@ def _padded_all_gather(output, shard, group, async_op: bool, bounds: tuple, slot
 
 def _padded_reduce_scatter(flat_grad, group, op, out, async_op: bool, bounds: tuple, slot: int,
                            at):
-    W, r = len(segments_of(bounds)), dist.get_rank(group)
+    W, r = ranks_in(bounds), dist.get_rank(group)
     staging = flat_grad.new_empty(W * slot)
     pack(staging, flat_grad, bounds, slot)
     res = flat_grad.new_empty(slot)
@@ -305,7 +312,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     at = _divergence.next_op(group)
     if padded and bounds is not None:
         slot = staging_slot(bounds)
-        _stats().all_gather_bytes += len(segments_of(bounds)) * slot * output.element_size()
+        _stats().all_gather_bytes += ranks_in(bounds) * slot * output.element_size()
         return _padded_all_gather(output, shard, group, async_op, bounds, slot, at)
     _stats().all_gather_bytes += _nbytes(output)
     gloo = _gloo.in_place(output, group) if bounds is None else _gloo.uneven(group, output)
@@ -333,8 +340,7 @@ def reduce_scatter(flat_grad: torch.Tensor, group, op=dist.ReduceOp.AVG,
     at = _divergence.next_op(group)
     if padded and bounds is not None:
         slot = staging_slot(bounds)
-        _stats().reduce_scatter_bytes += (len(segments_of(bounds)) * slot
-                                          * flat_grad.element_size())
+        _stats().reduce_scatter_bytes += ranks_in(bounds) * slot * flat_grad.element_size()
         return _padded_reduce_scatter(flat_grad, group, op, out, async_op, bounds, slot, at)
     _stats().reduce_scatter_bytes += _nbytes(flat_grad)
     gloo = (_gloo.in_place(flat_grad, group) if bounds is None

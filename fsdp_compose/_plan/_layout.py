@@ -123,9 +123,14 @@ class Layout:
             raise ValueError("a layout of lanes has no single range per rank")
         return self.bounds[rank], self.bounds[rank + 1]
 
+    @property
+    def lane_bounds(self) -> tuple[tuple[int, ...], ...]:
+        """Every lane's W + 1 bounds, in flat order (one lane: ``bounds``)."""
+        return self.lanes or (self.bounds,)
+
     def segments(self, rank: int) -> tuple[tuple[int, int], ...]:
         """``rank``'s shard as ranges of the flat, in the order they lie in it."""
-        return tuple((b[rank], b[rank + 1]) for b in (self.lanes or (self.bounds,)))
+        return tuple((b[rank], b[rank + 1]) for b in self.lane_bounds)
 
     def gather_spec(self) -> tuple | None:
         """What the collectives need of an uneven layout (None: equal chunks):
@@ -142,7 +147,7 @@ class Layout:
 
     def shard_numel(self, rank: int) -> int:
         """Elements of ``rank``'s shard (its range, alignment gaps included)."""
-        return sum(b[rank + 1] - b[rank] for b in (self.lanes or (self.bounds,)))
+        return sum(b[rank + 1] - b[rank] for b in self.lane_bounds)
 
     def _lane_of(self, entry: int) -> tuple[int, ...]:
         """The bounds of the lane parameter ``entry`` lies in (the lanes tile the flat)."""
@@ -160,7 +165,7 @@ class Layout:
         a, _ = self.rows_on(entry, rank)
         at = self.offsets[entry] + a * self.slots[entry].row_numel
         lane, before = self._lane_of(entry), 0
-        for b in (self.lanes or (self.bounds,)):
+        for b in self.lane_bounds:
             if b is lane:
                 break
             before += b[rank + 1] - b[rank]
@@ -525,8 +530,7 @@ def _two_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int,
     found = _search_lanes(slots, world, align, chunk)
     if found is None:
         return None
-    lane_a, a, b, limit, alpha = found
-    share = -(-(_ceil_to(a.end, align) + b.end) // world)
+    lane_a, a, b, share, limit, alpha = found
     if (chunk - limit) * LANES_BETTER <= share:
         return None
     ba, bb = _fill_lanes(a, b, world, limit, alpha)  # type: ignore[misc]
@@ -562,7 +566,7 @@ def _two_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int,
 
 @functools.lru_cache(maxsize=16)  # (a model's identical blocks: one search)
 def _search_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int):
-    """(lane A's indices, A's cuts, B's cuts, L, alpha) of ``_two_lanes``, or
+    """(lane A's indices, A's cuts, B's cuts, the share, L, alpha) of ``_two_lanes``, or
     None (one lane or none better than ``chunk``); a function of its arguments
     only (cached: the thresholds are ``_two_lanes``'s)."""
     steps = {i: math.lcm(s.row_numel, align) for i, s in enumerate(slots) if s.numel}
@@ -589,7 +593,7 @@ def _search_lanes(slots: tuple[Slot, ...], world: int, align: int, chunk: int):
             best = (lo, alpha)
     if best is None:
         return None
-    return lane_a, a, b, best[0], best[1]
+    return lane_a, a, b, share, best[0], best[1]
 
 
 def _fill_lanes(a: _Cuts, b: _Cuts, world: int, limit: int, alpha: int,
