@@ -164,10 +164,10 @@ class FlatGroup:
         # any entry trains (its sharded Parameter requires grad), see sync_requires_grad
         self.requires_grad: bool = first.requires_grad
         self._trains: tuple[bool, ...] = (first.requires_grad,) * len(params)
-        self.spec = GroupSpec(
+        self._set_spec(GroupSpec(
             mesh, pg, rs_pg, replicate_pg, world, rank,
             dist.get_world_size(replicate_pg) if replicate_pg is not None else 1,
-            post_forward, offload, pin_memory, granularity, device)
+            post_forward, offload, pin_memory, granularity, device))
         self._policy_dtypes = (param_dtype, reduce_dtype)  # the unit's mp_policy, or Nones
         self._set_dtype(first.dtype)
         self.unit_fqn = unit_fqn
@@ -197,7 +197,7 @@ class FlatGroup:
         self._pads = world > 1 and (_collectives.pads(pg, device) or not layout.contiguous)
         self.entries: list[ParamEntry] = make_entries(params, locals_, layout, rank, mesh)
         self._split_sizes, self._view_at = layout.split_plan()
-        self.spec = replace(self.spec, mode=self._decide_mode())
+        self._set_spec(replace(self.spec, mode=self._decide_mode()))
         self.grad = GradientPath(self)  # the gradient half (_grad_path.py)
 
         self._grad_hook = None
@@ -234,8 +234,8 @@ class FlatGroup:
         param_dtype, reduce_dtype = self._policy_dtypes
         floating = dtype.is_floating_point
         compute = param_dtype if (param_dtype and floating) else dtype
-        self.spec = replace(self.spec, dtype=dtype, compute_dtype=compute,
-                            reduce_dtype=reduce_dtype if (reduce_dtype and floating) else compute)
+        reduce = reduce_dtype if (reduce_dtype and floating) else compute
+        self._set_spec(replace(self.spec, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce))
 
     @property
     def _copies_in(self) -> bool:
@@ -255,23 +255,26 @@ class FlatGroup:
             return FlatMode.DIRECT
         return FlatMode.ALIASED
 
-    @property
-    def direct(self) -> bool:
-        """The sharded Parameters are autograd's own leaves (``FlatMode.DIRECT``)."""
-        return self.spec.mode is FlatMode.DIRECT
+    def _set_spec(self, spec: GroupSpec) -> None:
+        """``spec`` and the flags read from its mode at every hook (plain
+        attributes: an enum lookup, or a ``device.type`` string, per read
+        cost ~1 us several hundred times a step on the overhead shape):
 
-    @property
-    def aliased(self) -> bool:
-        """The flat is the shard, never freed (``FlatMode.ALIASED`` or ``DIRECT``)."""
-        mode = self.spec.mode
-        return mode is FlatMode.ALIASED or mode is FlatMode.DIRECT
+        - ``direct``: the sharded Parameters are autograd's own leaves
+          (``FlatMode.DIRECT``);
+        - ``aliased``: the flat is the shard, never freed (``ALIASED`` or
+          ``DIRECT``)."""
+        self.spec = spec
+        mode = spec.mode
+        self.direct: bool = mode is FlatMode.DIRECT
+        self.aliased: bool = self.direct or mode is FlatMode.ALIASED
 
     # ------------------------------------------------------------- storage
     def _new_shard(self, device: torch.device) -> None:
         """A zeroed shard for ``device`` (host memory with offload, pinned if
         asked and a GPU is there); sets ``device`` and ``shard_device``."""
         self.device = device
-        meta = device.type == "meta"
+        self.on_meta = meta = device.type == "meta"  # (read per hook: _frees_storage)
         self.shard_device = torch.device("cpu") if self.offload and not meta else device
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device)
         if self.offload and self.pin_memory and not meta and torch.cuda.is_available():
@@ -376,7 +379,7 @@ class FlatGroup:
         first = params[0]
         flat_grad = self.flat.grad
         self._set_dtype(first.dtype)
-        self.spec = replace(self.spec, mode=self._decide_mode())
+        self._set_spec(replace(self.spec, mode=self._decide_mode()))
         device = first.device
         if self.offload and device.type != "meta":
             device = self.mesh_device  # the shard stays on CPU; the flat where it computes
@@ -397,10 +400,12 @@ class FlatGroup:
             return
         if self.state is ShardedState.UNSHARDING:
             self._ensure_flat()  # (gathered in a bucket: not yet, see _GatherBucketWork)
-        chunks = torch.split(self.flat, self._split_sizes)
+        # (the method, not torch.split's Python layers: per unit per step)
+        chunks = self.flat.split_with_sizes(self._split_sizes)
         for e, i, trains in zip(self.entries, self._view_at, self._trains):
             v = chunks[i] if trains else chunks[i].detach()
-            v = v.view(e.shape)
+            if len(e.shape) != 1:  # (a 1-D parameter's chunk is its shape: no view
+                v = v.view(e.shape)  # node, ~10 us per parameter per step)
             if e.tp is not None:  # the module sees its TP DTensor; grads flow to v
                 v = DTensor.from_local(v, e.tp.mesh, e.tp.placements, run_check=False,
                                        shape=e.tp.shape, stride=e.tp.stride)
@@ -428,7 +433,7 @@ class FlatGroup:
 
     # ---------------------------------------------------------- unshard/reshard
     def _frees_storage(self) -> bool:
-        return not self.aliased and self.device.type != "meta"
+        return not self.aliased and not self.on_meta
 
     def _free_flat(self) -> None:
         if self._frees_storage():
@@ -506,7 +511,7 @@ class FlatGroup:
         None: this group is not gathered by a plain all-gather right now. A
         group of uneven pieces on gloo shares with none (its key is its own)."""
         if self.state is not ShardedState.SHARDED or self.mode is not FlatMode.GATHERED \
-                or self.device.type == "meta":
+                or self.on_meta:
             return None
         return (self.compute_dtype, self.pg, self.world, self.device,
                 id(self) if self.gather_bounds is not None and not self.padded() else None)
@@ -586,8 +591,11 @@ class _GatherBucketWork:
         if entry is not None:
             g._ensure_flat()
             W, at, S = g.world, entry[1], g.slot
-            if g.gather_bounds is None:
-                g.flat_data.view(W, S).copy_(self._buf.view(W, -1)[:, at:at + S])
+            if g.gather_bounds is None:  # (its column of the rank-major bucket,
+                # as one as_strided: ``buf.view(W, -1)[:, at:at + S]`` took ~2x as long)
+                buf = self._buf
+                g.flat_data.view(W, S).copy_(
+                    buf.as_strided((W, S), (self._row, 1), buf.storage_offset() + at))
             else:  # (uneven pieces: see [Note: padded collectives] in _collectives.py)
                 _collectives.unpack(g.flat_data, self._buf, g.gather_bounds, S, self._row, at)
             if not self._at:
@@ -625,9 +633,11 @@ def gather_bucket(groups: list[FlatGroup], streams: Backend) -> None:
     work = _GatherBucketWork(None, groups, None, streams)  # type: ignore[arg-type]
     buf = streams.bucket("all_gather", W * total, first.compute_dtype, first.device, holder=work)
     mine, at = buf.view(W, total)[first.rank], 0
+    base = mine.storage_offset()
     for g in groups:
         g.unsharded_version = g.shard._version
-        streams.copy_in(mine[at:at + g.shard_numel], g.shard, from_host=g.offload)
+        streams.copy_in(mine.as_strided((g.shard_numel,), (1,), base + at), g.shard,
+                        from_host=g.offload)  # (mine[at:at + n], one C call)
         if g.slot > g.shard_numel:  # (a padded piece: nobody reads it, every byte written)
             mine[at + g.shard_numel:at + g.slot].zero_()
         at += g.slot

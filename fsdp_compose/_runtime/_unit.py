@@ -245,7 +245,7 @@ class Unit:
         Parameters are autograd's own leaves ([Note: world size 1] in
         _flat_group.py), where a replaced ``.data`` trains as in plain PyTorch."""
         for g in self.groups:
-            if g.device.type == "meta" or (g.direct and not direct):
+            if g.on_meta or (g.direct and not direct):
                 continue  # (lazy init refuses a forward on meta: _check_not_meta)
             shard_ptr = g.shard.untyped_storage().data_ptr()
             for e in g.entries:
