@@ -46,3 +46,53 @@ def test_spec_fields_are_read_only():
         with pytest.raises(AttributeError):
             setattr(g, f.name, None)
     assert g.world == 1
+
+
+def _sharded_group(world: int, rank: int) -> FlatGroup:
+    """A group cut over ``world`` ranks (this process plays ``rank``): no
+    collective is issued here, only the layout and the pieces are made."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7))
+    params = []
+    for name, p in m.named_parameters():
+        mod, attr = name.rsplit(".", 1)
+        params.append((p, [(m.get_submodule(mod), attr)], name))
+    return FlatGroup("m", params, device=torch.device("cpu"), world=world, rank=rank,
+                     pg=None, rs_pg=None)
+
+
+def test_mode_flags_are_set_with_the_spec():
+    from fsdp_compose._group._flat_group import FlatMode
+    g = _group()
+    assert (g.direct, g.aliased, g.on_meta) == (False, False, False)  # (a bf16 copy-in)
+    for mode in FlatMode:
+        g._set_spec(dataclasses.replace(g.spec, mode=mode))
+        assert g.direct == (mode is FlatMode.DIRECT)
+        assert g.aliased == (mode in (FlatMode.DIRECT, FlatMode.ALIASED))
+        assert g._frees_storage() == (not g.aliased)
+    with torch.device("meta"):
+        lin = nn.Linear(4, 3)
+    m = FlatGroup("lin", [(p, [(lin, n)], n) for n, p in lin.named_parameters()],
+                  device=torch.device("cpu"), world=1, rank=0, pg=None, rs_pg=None)
+    assert m.on_meta and not m._frees_storage() and m.gather_key() is None
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (4, 0), (4, 2), (4, 3)])
+def test_piece_is_the_slice_of_the_buffer(world, rank):
+    """``ParamEntry.piece`` (one as_strided) is the view ``buf[a:b].view(shape)``
+    was: same memory, shape and strides; a buffer it cannot stride over (not
+    1-D, not contiguous, too short) takes the slice itself."""
+    g = _sharded_group(world, rank)
+    buf = torch.arange(g.shard_numel + 3, dtype=torch.float32)[3:]  # (an offset storage)
+    for e in g.entries:
+        want = buf[slice(*e.shard_range)].view(e.piece_shape)
+        got = e.piece(buf)
+        assert (got.shape, got.stride(), got.data_ptr()) == \
+            (want.shape, want.stride(), want.data_ptr()), e.fqn
+        assert torch.equal(got, want)
+    wide = torch.arange(2 * g.shard_numel, dtype=torch.float32)[::2]  # not contiguous
+    for e in g.entries:
+        assert torch.equal(e.piece(wide), wide[slice(*e.shard_range)].view(e.piece_shape))
+    if any(e.shard_range[1] > e.shard_range[0] for e in g.entries):
+        with pytest.raises(RuntimeError):  # too short: the slice's view raises, as before
+            [e.piece(buf[:0]) for e in g.entries if e.shard_range[1] > e.shard_range[0]]
