@@ -81,7 +81,7 @@ def test_mode_flags_are_set_with_the_spec():
 def test_piece_is_the_slice_of_the_buffer(world, rank):
     """``ParamEntry.piece`` (one as_strided) is the view ``buf[a:b].view(shape)``
     was: same memory, shape and strides; a buffer it cannot stride over (not
-    1-D, not contiguous, too short) takes the slice itself."""
+    contiguous, too short) takes the slice itself."""
     g = _sharded_group(world, rank)
     buf = torch.arange(g.shard_numel + 3, dtype=torch.float32)[3:]  # (an offset storage)
     for e in g.entries:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from .._base import _compat
 from .._base._compat import DTensorSpec
-from .._plan._layout import Layout
+from .._plan._layout import Layout, contiguous_stride
 from ._row_dtensor import (_GRAD, RowParam, empty_like_rows, local_of, mirror_grad, row_param,
                            row_spec)
 
@@ -138,11 +138,7 @@ class ParamEntry:
     @functools.cached_property
     def _piece_stride(self) -> tuple[int, ...]:
         """The contiguous strides of ``piece_shape``."""
-        stride, acc = [], 1
-        for n in reversed(self.piece_shape):
-            stride.append(acc)
-            acc *= max(n, 1)
-        return tuple(reversed(stride))
+        return contiguous_stride(self.piece_shape)
 
     def piece(self, buf: torch.Tensor) -> torch.Tensor:
         """Its part of a shard-sized ``buf``, shaped like ``sharded``: the
